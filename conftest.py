@@ -1,0 +1,3 @@
+"""Loads the sharding-dump pytest plugin for this repository's tests."""
+
+pytest_plugins = ["sharding_dump.pytest_plugin"]

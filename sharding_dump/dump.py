@@ -1,0 +1,88 @@
+"""From a Case to its golden documents: topology -> rule -> mesh -> model -> state -> JSON.
+
+>>> from sharding_dump.case import Case
+>>> docs = dump_case(Case.make("qwen3-0.6b", "tpu7x-16", "pure-fsdp"))
+>>> sorted(docs)
+['logical_shardings.json', 'named_shardings.json']
+>>> docs["named_shardings.json"]["tensors"]["params/token_embedder/embedding"]["partition_spec"]
+[None, 'fsdp']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from sharding_dump import models, rules, serialize, settings, state
+from sharding_dump.case import Case
+from sharding_dump.mesh import MeshPlan, plan_mesh
+from sharding_dump.topology import Topology, load_topology
+
+NAMED_FILE = "named_shardings.json"
+LOGICAL_FILE = "logical_shardings.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSetup:
+    """Everything resolved for one case before any tracing."""
+
+    case: Case
+    topology: Topology
+    rule_set: rules.RuleSet  # the rule file with the model card's rules merged in
+    values: dict[str, Any]  # effective settings
+    plan: MeshPlan
+    config: models.ModelConfig
+
+
+def setup_case(case: Case) -> CaseSetup:
+    """Resolves topology, rules, settings, mesh and model config; BadInput on anything invalid."""
+    topology = load_topology(case.topology, case.num_slices)
+    rule_set = rules.load_rule(case.rule)
+    mesh_defaults = rule_set.mesh_settings_for(topology.name)
+    values = settings.resolve(case.overrides, mesh_defaults)
+    explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
+    plan = plan_mesh(rule_set, topology, values, explicit)
+    config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
+    rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
+    return CaseSetup(case, topology, rule_set, values, plan, config)
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_state(config: models.ModelConfig) -> dict[str, Any]:
+    # Shapes only depend on the config; cases of one model share the traced init.
+    return state.abstract_state(config)
+
+
+def header(setup: CaseSetup) -> dict[str, Any]:
+    """The part every golden file of the case starts with."""
+    return {
+        "case": setup.case.header(),
+        "mesh": {"axis_names": list(setup.plan.axis_names), "axis_sizes": list(setup.plan.shape)},
+    }
+
+
+def dump_case(case: Case) -> dict[str, dict[str, Any]]:
+    """Every golden document of `case`, keyed by file name."""
+    setup = setup_case(case)
+    layouts = state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set)
+    named = {
+        t.path: {
+            "shape": list(t.shape),
+            "dtype": t.dtype,
+            "partition_spec": serialize.spec_to_json(t.partition_spec, len(t.shape)),
+            "per_device_shape": list(t.per_device_shape),
+        }
+        for t in layouts
+    }
+    logical = {t.path: {"shape": list(t.shape), "logical_axes": list(t.logical_axes)} for t in layouts}
+    head = header(setup)
+    return {
+        NAMED_FILE: serialize.document("named", head, named),
+        LOGICAL_FILE: serialize.document("logical", head, logical),
+    }
+
+
+def render_case(case: Case) -> dict[str, bytes]:
+    """The exact bytes of every golden file of `case`."""
+    return serialize.render(dump_case(case))

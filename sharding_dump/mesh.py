@@ -1,0 +1,96 @@
+"""The device mesh of a case: ICI (within a slice) x DCN (across slices) parallelism per axis.
+
+Sizes come from the `ici_<axis>_parallelism` / `dcn_<axis>_parallelism` settings of the axes the
+rule file declares; one `-1` per kind fills what is left. The result is a
+`jax.sharding.AbstractMesh`: no devices, no backend, any size.
+
+>>> from sharding_dump.rules import load_rule
+>>> from sharding_dump.topology import load_topology
+>>> from sharding_dump.settings import resolve
+>>> plan = plan_mesh(load_rule("pure-fsdp"), load_topology("tpu7x-16384"), resolve(()))
+>>> plan.axis_names, plan.shape
+(('fsdp',), (16384,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+from jax.sharding import AbstractMesh, AxisType
+
+from sharding_dump.errors import BadInput
+from sharding_dump.rules import RuleSet
+from sharding_dump.settings import parallelism_axes, parallelism_key
+from sharding_dump.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """Axis names and their ICI and DCN sizes; the mesh shape is their product."""
+
+    axis_names: tuple[str, ...]
+    ici: tuple[int, ...]
+    dcn: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(i * d for i, d in zip(self.ici, self.dcn))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.shape))
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def abstract_mesh(self, explicit: bool = False) -> AbstractMesh:
+        """An AbstractMesh of this shape, with Auto (default) or Explicit axis types."""
+        kind = AxisType.Explicit if explicit else AxisType.Auto
+        return AbstractMesh(self.shape, self.axis_names, axis_types=(kind,) * len(self.axis_names))
+
+
+def _fill(kind: str, axes: tuple[str, ...], values: Mapping[str, Any], target: int, what: str) -> tuple[int, ...]:
+    keys = [parallelism_key(kind, a) for a in axes]
+    sizes = [int(values[k]) for k in keys]
+    fillers = [k for k, s in zip(keys, sizes) if s == -1]
+    if len(fillers) > 1:
+        raise BadInput(f"{' and '.join(f'{k}=-1' for k in fillers)}: at most one {kind} parallelism may be -1")
+    known = math.prod(s for s in sizes if s != -1)
+    listing = " x ".join(f"{a}={s}" for a, s in zip(axes, sizes) if s != 1) or "all 1"
+    if fillers:
+        if target % known:
+            raise BadInput(f"{kind} parallelism {listing}: {known} does not divide the {target} {what}")
+        sizes = [target // known if s == -1 else s for s in sizes]
+    elif known != target:
+        hint = f" (set one {kind}_*_parallelism to -1 to fill)" if kind == "dcn" or known < target else ""
+        raise BadInput(f"{kind} parallelism {listing}: product {known} must equal the {target} {what}{hint}")
+    return tuple(sizes)
+
+
+def plan_mesh(rule_set: RuleSet, topology: Topology, values: Mapping[str, Any],
+              explicit_keys: frozenset[str] = frozenset()) -> MeshPlan:
+    """Sizes every mesh axis of `rule_set` on `topology` from the effective settings `values`.
+
+    `explicit_keys` are the settings the case (or a mesh rule) set on purpose: setting one for an axis
+    the rule file does not declare is an error rather than silently ignored."""
+    axes = rule_set.mesh_axes
+    for ax in parallelism_axes():
+        if ax.axis in axes:
+            continue
+        for kind in ("ici", "dcn"):
+            key = parallelism_key(kind, ax.axis)
+            if key in explicit_keys and values[key] != 1:
+                raise BadInput(f"{key}={values[key]}: rule '{rule_set.name}' has no '{ax.axis}' mesh axis "
+                               f"(mesh_axes: {', '.join(axes)})")
+    ici = _fill("ici", axes, values, topology.devices_per_slice, f"devices per slice of {topology.name}")
+    dcn = _fill("dcn", axes, values, topology.num_slices, "slices (--num-slices)")
+    return MeshPlan(axes, ici, dcn)
+
+
+def use_mesh(plan: MeshPlan, explicit: bool = False):
+    """Context manager that makes the plan's abstract mesh current for tracing."""
+    return jax.sharding.use_abstract_mesh(plan.abstract_mesh(explicit))

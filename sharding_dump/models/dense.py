@@ -1,0 +1,125 @@
+"""Dense decoder-only transformers (llama2, qwen3): attention + gated MLP blocks, stacked by scan.
+
+Parameter tree (what the goldens see)::
+
+    token_embedder/embedding                      (vocab, embed_vocab)
+    decoder/layers/self_attention/query/kernel    (embed, layers, q_heads, kv)
+    decoder/layers/self_attention/{key,value}/kernel  (embed, layers, kv_heads, kv_head_dim)
+    decoder/layers/self_attention/out/kernel      (heads, layers, kv, embed)
+    decoder/layers/self_attention/{query,key}_norm/scale  (norm, layers)      [use_qk_norm]
+    decoder/layers/mlp/{wi_0,wi_1}/kernel         (embed, layers, mlp)
+    decoder/layers/mlp/wo/kernel                  (mlp, layers, embed)
+    decoder/layers/{pre,post}_self_attention_layer_norm/scale  (norm, layers)
+    decoder/decoder_norm/scale                    (norm)
+    decoder/logits_dense/kernel                   (embed_vocab, vocab)      [untied embeddings]
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sharding_dump.activations import constrain
+from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope, scan_layers
+
+BLE = ("activation_batch", "activation_norm_length", "activation_embed")
+
+
+class MlpBlock(nn.Module):
+    """Gated MLP: product of activation(x . wi_k) over `mlp_activations`, then wo."""
+
+    cfg: ModelConfig
+    intermediate_dim: int
+    embed_axis: str = "embed"
+    mlp_axis: str = "mlp"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = None
+        for index, act in enumerate(self.cfg.mlp_activations):
+            h = Dense(self.cfg, (self.intermediate_dim,), (self.embed_axis,), (self.mlp_axis,), name=f"wi_{index}")(x)
+            h = activation(act, h)
+            hidden = h if hidden is None else hidden * h
+        hidden = constrain(hidden, ("activation_batch", "activation_length", "activation_mlp"), "mlp_hidden")
+        return Dense(self.cfg, (x.shape[-1],), (self.mlp_axis,), (self.embed_axis,), name="wo")(hidden)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary positions (and optional q/k RMS norms)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        head_dim = cfg.resolved_head_dim
+        x = constrain(x, ("activation_batch_attn", "activation_length", "activation_embed"), "inputs_q")
+        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), name="query")(x)
+        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x)
+        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x)
+        if cfg.use_qk_norm:
+            q = RMSNorm(cfg, name="query_norm")(q)
+            k = RMSNorm(cfg, name="key_norm")(k)
+        q = apply_rope(q, positions, cfg.rope_max_timescale)
+        k = apply_rope(k, positions, cfg.rope_max_timescale)
+        qkv_axes = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
+        q = constrain(q, qkv_axes, "query")
+        k = constrain(k, qkv_axes, "key")
+        v = constrain(v, qkv_axes, "value")
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        out = constrain(out, ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv"),
+                        "attention_out")
+        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then gated MLP."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        x = constrain(x, BLE, "layer_input")
+        h = RMSNorm(self.cfg, name="pre_self_attention_layer_norm")(x)
+        h = Attention(self.cfg, name="self_attention")(h, positions)
+        x = constrain(x + h, BLE, "attention_residual")
+        h = RMSNorm(self.cfg, name="post_self_attention_layer_norm")(x)
+        h = MlpBlock(self.cfg, self.cfg.mlp_dim, name="mlp")(h)
+        return constrain(x + h, BLE, "layer_output"), None
+
+
+class Decoder(nn.Module):
+    """The scanned layer stack, final norm and output projection."""
+
+    cfg: ModelConfig
+    shared_embedding: Embed | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        stack = scan_layers(DecoderLayer, cfg.num_decoder_layers, "layers")
+        x, _ = stack(cfg, name="layers")(x, positions)
+        x = RMSNorm(cfg, name="decoder_norm")(x)
+        if self.shared_embedding is not None:
+            logits = self.shared_embedding.attend(x)
+        else:
+            logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
+        return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
+                         "logits")
+
+
+class DenseDecoderLM(nn.Module):
+    """Token ids (batch, length) -> logits (batch, length, vocab)."""
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        self.token_embedder = Embed(self.cfg)
+        shared = self.token_embedder if self.cfg.logits_via_embedding else None
+        self.decoder = Decoder(self.cfg, shared_embedding=shared)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
+        return self.decoder(x, positions)

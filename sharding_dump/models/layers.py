@@ -1,0 +1,113 @@
+"""Building blocks shared by every decoder: kernels with logical axes, norms, embeddings, RoPE.
+
+Kernels are declared with `self.param` and applied with `jnp.einsum`/`tensordot` (flax's
+multi-dimensional DenseGeneral with logical partitioning trips a rank check under a mesh). Weights
+live in `weight_dtype`; compute runs in `dtype` (bfloat16 by default).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sharding_dump.models.config import ModelConfig
+
+Axes = tuple[str | None, ...]
+
+
+def weight_param(module: nn.Module, name: str, shape: Sequence[int], axes: Axes, cfg: ModelConfig,
+                 init: nn.initializers.Initializer | None = None) -> jax.Array:
+    """A parameter annotated with its logical axes, in the run's weight dtype."""
+    if len(shape) != len(axes):
+        raise ValueError(f"{name}: {len(axes)} logical axes for shape {tuple(shape)}")
+    init = init or nn.initializers.lecun_normal()
+    return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), jnp.dtype(cfg.weight_dtype))
+
+
+class Dense(nn.Module):
+    """y = x . kernel over the last `len(in_axes)` dims of x; kernel axes = in_axes + out_axes."""
+
+    cfg: ModelConfig
+    features: tuple[int, ...]
+    in_axes: Axes
+    out_axes: Axes
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.in_axes)
+        kernel = weight_param(self, "kernel", x.shape[-n_in:] + tuple(self.features),
+                              self.in_axes + self.out_axes, self.cfg)
+        dtype = jnp.dtype(self.cfg.dtype)
+        y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=n_in)
+        if self.use_bias:
+            bias = weight_param(self, "bias", self.features, self.out_axes, self.cfg, nn.initializers.zeros)
+            y = y + bias.astype(dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale on logical axis `norm`."""
+
+    cfg: ModelConfig
+    axes: Axes = ("norm",)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = weight_param(self, "scale", (x.shape[-1],), self.axes, self.cfg, nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.normalization_layer_epsilon)
+        return (y * scale.astype(jnp.float32)).astype(jnp.dtype(self.cfg.dtype))
+
+
+class Embed(nn.Module):
+    """Token embedding table (vocab, embed_vocab); `attend` gives tied output logits."""
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        self.embedding = weight_param(self, "embedding", (self.cfg.vocab_size, self.cfg.emb_dim),
+                                      ("vocab", "embed_vocab"), self.cfg, nn.initializers.normal(1.0))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        dtype = jnp.dtype(self.cfg.dtype)
+        return jnp.einsum("bse,ve->bsv", x.astype(dtype), self.embedding.astype(dtype))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, max_timescale: float) -> jax.Array:
+    """Rotary position embedding over the last dim of x (batch, length, heads, dim)."""
+    half = x.shape[-1] // 2
+    fraction = jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1]
+    inv_freq = 1.0 / (max_timescale ** fraction)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (b, s, half)
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    """The named MLP activation ('linear' is the identity)."""
+    if name == "linear":
+        return x
+    return getattr(jax.nn, name)(x)
+
+
+def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn.Module]:
+    """`length` copies of a rematerialised `layer`, stacked by nn.scan with the layer dimension at
+    position 1 of every weight and named `layer_axis` in its logical spec."""
+    remat = nn.remat(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+    return nn.scan(
+        remat,
+        variable_axes={"params": 1},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=length,
+        metadata_params={nn.PARTITION_NAME: layer_axis},
+    )

@@ -1,0 +1,155 @@
+"""Rule files: a mesh (`mesh_axes`) plus the logical-to-physical axis rules for it.
+
+A rule is named (`sharding_dump/rules/<name>.yml`) or given as a path to a user's own file. Every
+file is checked against `data/schemas/rule.schema.json`, and every mesh axis a rule names must be in
+its `mesh_axes`. Logical specs are resolved with flax's own resolver, so precedence and fallbacks
+behave exactly as in training:
+
+>>> rules = load_rule("pure-fsdp")
+>>> to_mesh_axes(("embed", "mlp"), rules.logical_axis_rules)
+P('fsdp', None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import flax.linen as nn
+from jax.sharding import PartitionSpec
+
+from sharding_dump import settings as settings_mod
+from sharding_dump.errors import BadInput
+from sharding_dump.resources import RULES_DIR, load_yaml, validate
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+DEFAULT_INPUT_AXES = ("activation_embed_and_logits_batch", "activation_norm_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+    """A loaded, validated rule file."""
+
+    name: str
+    path: Path
+    mesh_axes: tuple[str, ...]
+    data_sharding: tuple[str, ...]
+    context_sharding: str | None
+    input_data_sharding_logical_axes: tuple[str, ...]
+    logical_axis_rules: Rules
+    mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+    def mesh_settings_for(self, topology_name: str) -> dict[str, Any]:
+        """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
+        for pattern, values in self.mesh_rules:
+            if re.search(pattern, topology_name):
+                return values
+        return {}
+
+
+def rule_names() -> list[str]:
+    """The rule files shipped with the package."""
+    return sorted(p.stem for p in RULES_DIR.glob("*.yml"))
+
+
+def is_rule_path(ref: str) -> bool:
+    """A `--rule` value is a path when it has a separator or a YAML suffix; otherwise a name."""
+    return "/" in ref or "\\" in ref or ref.endswith((".yml", ".yaml"))
+
+
+def rule_name(ref: str) -> str:
+    """The name a rule reference goes by in case names: the name itself, or a path's stem."""
+    name = Path(ref).stem if is_rule_path(ref) else ref
+    if not SAFE_NAME.fullmatch(name):
+        raise BadInput(f"rule {ref!r}: a rule name is letters, digits, '.', '_' or '-'")
+    return name
+
+
+def rule_path(ref: str) -> Path:
+    """The file behind a rule reference; unknown names are BadInput."""
+    if is_rule_path(ref):
+        if not ref.endswith((".yml", ".yaml")):
+            raise BadInput(f"rule file {ref}: a rule file path must end in .yml or .yaml")
+        rule_name(ref)
+        return Path(ref)
+    if ref not in rule_names():
+        raise BadInput(f"unknown rule {ref!r}: valid rules are {', '.join(rule_names())} or a path to a .yml file")
+    return RULES_DIR / f"{ref}.yml"
+
+
+def _axes(value: Any) -> MeshAxes:
+    """YAML's list / string / null for a rule's mesh axes, as flax wants it (tuples, never lists)."""
+    if value is None or isinstance(value, str):
+        return value
+    return tuple(value)
+
+
+def load_rule(ref: str) -> RuleSet:
+    """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path)."""
+    path = rule_path(ref)
+    where = f"rule file {path}"
+    data = load_yaml(path, "rule file")
+    validate(data, "rule", where)
+    known = {ax.axis for ax in settings_mod.parallelism_axes()}
+    mesh_axes = tuple(data["mesh_axes"])
+    for axis in mesh_axes:
+        if axis not in known:
+            raise BadInput(f"{where}: field mesh_axes: {axis!r} is not a mesh axis sharding-dump can size "
+                           f"(valid: {', '.join(sorted(known))})")
+    rules: Rules = tuple((name, _axes(axes)) for name, axes in data["logical_axis_rules"])
+    for index, (name, axes) in enumerate(rules):
+        for axis in [axes] if isinstance(axes, str) else (axes or ()):
+            if axis not in mesh_axes:
+                raise BadInput(f"{where}: field logical_axis_rules/{index} ({name}): mesh axis {axis!r} "
+                               f"is not in mesh_axes [{', '.join(mesh_axes)}]")
+    data_sharding = tuple(data.get("data_sharding", [list(mesh_axes)])[0])
+    for axis in data_sharding:
+        if axis not in mesh_axes:
+            raise BadInput(f"{where}: field data_sharding: {axis!r} is not in mesh_axes [{', '.join(mesh_axes)}]")
+    context = data.get("context_sharding")
+    if context is not None and context not in mesh_axes:
+        raise BadInput(f"{where}: field context_sharding: {context!r} is not in mesh_axes [{', '.join(mesh_axes)}]")
+    mesh_rules = []
+    for index, entry in enumerate(data.get("mesh_rules", [])):
+        try:
+            re.compile(entry["match"])
+        except re.error as err:
+            raise BadInput(f"{where}: field mesh_rules/{index}/match: not a regular expression ({err})") from None
+        try:
+            parsed = dict(settings_mod.parse_overrides(entry["settings"]))
+        except BadInput as err:
+            raise BadInput(f"{where}: field mesh_rules/{index}/settings: {err}") from None
+        mesh_rules.append((entry["match"], parsed))
+    return RuleSet(
+        name=rule_name(ref),
+        path=path,
+        mesh_axes=mesh_axes,
+        data_sharding=data_sharding,
+        context_sharding=context,
+        input_data_sharding_logical_axes=tuple(
+            data.get("input_data_sharding_logical_axes", DEFAULT_INPUT_AXES)),
+        logical_axis_rules=rules,
+        mesh_rules=tuple(mesh_rules),
+    )
+
+
+def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]]) -> RuleSet:
+    """Applies a model card's own rules the way MaxText merges them: every rule of the rule file with
+    the same logical name is dropped and the card's rules are appended. A card rule that names an axis
+    this mesh lacks is left out (the card cannot know every mesh)."""
+    extra = tuple((name, _axes(axes)) for name, axes in overrides
+                  if all(a in rule_set.mesh_axes for a in ([axes] if isinstance(axes, str) else axes or ())))
+    if not extra:
+        return rule_set
+    names = {name for name, _ in extra}
+    kept = tuple(r for r in rule_set.logical_axis_rules if r[0] not in names)
+    return dataclasses.replace(rule_set, logical_axis_rules=kept + extra)
+
+
+def to_mesh_axes(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    """The physical PartitionSpec of one logical spec, by flax's resolver."""
+    return nn.logical_to_mesh_axes(tuple(logical_axes), rules)

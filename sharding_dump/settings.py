@@ -1,0 +1,156 @@
+"""The KEY=VALUE settings a case may override, read from `data/settings.yml`.
+
+A setting has a type; values arrive as strings (command line) or YAML scalars (cases.yml) and are
+parsed to one canonical Python value, so `ici_fsdp_parallelism=-1` and `-1` in YAML are the same case.
+
+>>> s = parse_overrides({"ici_expert_parallelism": "2", "ici_fsdp_parallelism": -1})
+>>> s  # canonical order: the order of data/settings.yml
+(('ici_fsdp_parallelism', -1), ('ici_expert_parallelism', 2))
+>>> format_value(True)
+'true'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+from sharding_dump.errors import BadInput
+from sharding_dump.resources import DATA_DIR, load_yaml
+
+Value = int | float | bool | str
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingSpec:
+    """One overridable setting: its type, allowed values and default."""
+
+    key: str
+    type: str  # int | float | bool | choice | parallelism
+    default: Value
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismAxis:
+    axis: str  # mesh axis name
+    setting: str  # name inside ici_<setting>_parallelism
+
+
+@functools.cache
+def _registry() -> tuple[tuple[ParallelismAxis, ...], dict[str, SettingSpec]]:
+    data = load_yaml(DATA_DIR / "settings.yml", "settings file")
+    axes = tuple(ParallelismAxis(a["axis"], a["setting"]) for a in data["parallelism_axes"])
+    specs: dict[str, SettingSpec] = {}
+    for kind in ("dcn", "ici"):
+        defaults = data[f"{kind}_defaults"]
+        for ax in axes:
+            key = f"{kind}_{ax.setting}_parallelism"
+            specs[key] = SettingSpec(
+                key, "parallelism", defaults.get(ax.setting, 1),
+                f"{kind.upper()} size of the '{ax.axis}' mesh axis (-1: fill with what is left)")
+    for key, raw in data["settings"].items():
+        specs[key] = SettingSpec(
+            key, raw["type"], raw["default"], raw["help"],
+            tuple(raw.get("choices", ())), raw.get("minimum"))
+    return axes, specs
+
+
+def parallelism_axes() -> tuple[ParallelismAxis, ...]:
+    """The mesh axes a parallelism setting can size, in MaxText's mesh order."""
+    return _registry()[0]
+
+
+def setting_specs() -> dict[str, SettingSpec]:
+    """Every known setting, in canonical order."""
+    return _registry()[1]
+
+
+def parallelism_key(kind: str, axis: str) -> str:
+    """`ici_pipeline_parallelism` for ('ici', 'stage'), and so on."""
+    for ax in parallelism_axes():
+        if ax.axis == axis:
+            return f"{kind}_{ax.setting}_parallelism"
+    raise KeyError(axis)
+
+
+def _parse(spec: SettingSpec, raw: Any) -> Value:
+    text = raw if isinstance(raw, str) else None
+    bad = f"{spec.key}={raw!r}"
+    if spec.type in ("int", "parallelism"):
+        if isinstance(raw, bool):
+            raise BadInput(f"{bad}: must be a whole number")
+        try:
+            value = int(text.strip()) if text is not None else raw
+        except ValueError:
+            raise BadInput(f"{bad}: must be a whole number") from None
+        if not isinstance(value, int):
+            raise BadInput(f"{bad}: must be a whole number")
+        if spec.type == "parallelism" and value != -1 and value < 1:
+            raise BadInput(f"{bad}: a parallelism is -1 (fill) or a whole number >= 1")
+        if spec.minimum is not None and value < spec.minimum:
+            raise BadInput(f"{bad}: must be >= {spec.minimum:g}")
+        return value
+    if spec.type == "float":
+        if isinstance(raw, bool):
+            raise BadInput(f"{bad}: must be a number")
+        try:
+            value = float(text) if text is not None else float(raw)
+        except (TypeError, ValueError):
+            raise BadInput(f"{bad}: must be a number") from None
+        if not math.isfinite(value) or (spec.minimum is not None and value < spec.minimum):
+            raise BadInput(f"{bad}: must be a finite number >= {spec.minimum:g}")
+        return int(value) if value.is_integer() else value
+    if spec.type == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if text is not None and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
+        raise BadInput(f"{bad}: must be true or false")
+    if spec.type == "choice":
+        if isinstance(raw, str) and raw in spec.choices:
+            return raw
+        raise BadInput(f"{bad}: must be one of {', '.join(spec.choices)}")
+    raise AssertionError(f"settings.yml: unknown type {spec.type!r} for {spec.key}")
+
+
+def parse_overrides(raw: Mapping[str, Any]) -> tuple[tuple[str, Value], ...]:
+    """Validates and canonicalises overrides: known keys, typed values, canonical order."""
+    specs = setting_specs()
+    for key in raw:
+        if key not in specs:
+            raise BadInput(f"unknown setting {key!r}: see `sharding-dump list settings` for valid keys")
+    return tuple((key, _parse(specs[key], raw[key])) for key in specs if key in raw)
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """`['a=1', 'b=x']` -> `{'a': '1', 'b': 'x'}`; malformed or repeated items are BadInput."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise BadInput(f"{item!r}: settings are written KEY=VALUE (e.g. ici_fsdp_parallelism=-1)")
+        if key in out:
+            raise BadInput(f"{key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def format_value(value: Value) -> str:
+    """The canonical text of a value, as it appears in a case's folder name."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def resolve(overrides: tuple[tuple[str, Value], ...], *layers: Mapping[str, Value]) -> dict[str, Value]:
+    """Every setting's effective value: defaults, then each layer in turn, then the overrides."""
+    values: dict[str, Value] = {k: s.default for k, s in setting_specs().items()}
+    for layer in layers:
+        values.update(layer)
+    values.update(dict(overrides))
+    return values

@@ -1,0 +1,111 @@
+"""The command line as a user meets it: real dumps, bad input, determinism, the golden tree."""
+
+import json
+import shutil
+
+import pytest
+
+from helpers import REPO, run_cli, tree_bytes
+from sharding_dump.case import Case, load_matrix
+from sharding_dump.golden import check_or_update
+
+
+def test_dump_one_case(tmp_path):
+    result = run_cli("--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp", "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp"
+    named = json.loads((folder / "named_shardings.json").read_text())
+    assert named["mesh"] == {"axis_names": ["fsdp"], "axis_sizes": [8]}
+    assert named["tensors"]["params/decoder/layers/mlp/wi_0/kernel"]["partition_spec"] == ["fsdp", None, None]
+    assert (folder / "named_shardings.json").read_bytes() == (REPO / "golden" / folder.relative_to(tmp_path)
+                                                              / "named_shardings.json").read_bytes()
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "nope", "--topology", "v5p-16", "--rule", "default"],
+    ["--model", "llama2-7b", "--topology", "v5p-99", "--rule", "default"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "nope"],
+    ["--model", "../llama2-7b", "--topology", "v5p-16", "--rule", "default"],
+    ["--model", "llama2-7b", "--topology", "../../v5p-16", "--rule", "default"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "../../../etc/passwd"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "/no/such/rule.yml"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "ici_tensor_parallelism=16"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "no_such_key=1"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "weight_dtype=int3"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "ici_fsdp_parallelism"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp", "ici_expert_parallelism=2"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "--num-slices", "0"],
+    ["--all", "--model", "llama2-7b"],
+    ["--model", "llama2-7b"],
+    ["list", "galaxies"],
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args):
+    out = tmp_path / "out"
+    result = run_cli(*args, "--output-dir", str(out))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sharding-dump: error: "), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not out.exists()
+
+
+def test_bad_rule_file_names_file_and_field(tmp_path):
+    rule = tmp_path / "broken.yml"
+    rule.write_text("mesh_axes: [fsdp]\nlogical_axis_rules:\n  - [embed, tensor]\n")
+    result = run_cli("--model", "llama2-7b", "--topology", "v5p-16", "--rule", str(rule), "--output-dir", str(tmp_path / "o"))
+    assert result.returncode == 2
+    assert f"rule file {rule}: field logical_axis_rules/0 (embed): mesh axis 'tensor' is not in mesh_axes" in result.stderr
+
+
+def test_all_reproduces_golden_tree_for_any_hash_seed(tmp_path):
+    trees = []
+    for seed in ("0", "12345"):
+        out = tmp_path / seed
+        result = run_cli("--all", "--output-dir", str(out), env={"PYTHONHASHSEED": seed})
+        assert result.returncode == 0, result.stderr
+        trees.append(tree_bytes(out))
+    assert trees[0] == trees[1]
+    assert trees[0] == tree_bytes(REPO / "golden")
+
+
+def test_list_models_prints_parameter_counts():
+    result = run_cli("list", "models")
+    assert result.returncode == 0, result.stderr
+    assert "6,738,415,616" in result.stdout and "596,049,920" in result.stdout
+
+
+def test_sixteen_thousand_devices(tmp_path):
+    result = run_cli("--model", "llama2-7b", "--topology", "tpu7x-16384", "--rule", "default",
+                     "ici_fsdp_parallelism=-1", "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    named = json.loads(next(tmp_path.rglob("named_shardings.json")).read_text())
+    assert dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))["fsdp"] == 16384
+
+
+def test_mutated_rule_is_caught_with_tensor_names(tmp_path):
+    """A user's copy of pure-fsdp.yml with `embed` unsharded maps to the same golden folder and fails."""
+    rule = tmp_path / "pure-fsdp.yml"
+    text = (REPO / "sharding_dump/rules/pure-fsdp.yml").read_text()
+    assert "  - [embed, [fsdp]]\n" in text
+    rule.write_text(text.replace("  - [embed, [fsdp]]\n", "  - [embed, []]\n"))
+    outcome = check_or_update(Case.make("llama2-7b", "v5p-16", str(rule)), REPO / "golden", update=False)
+    assert outcome.status == "differs"
+    assert "params/decoder/layers/mlp/wi_0/kernel  (and opt_state/0/mu, opt_state/0/nu)" in outcome.report
+    assert 'partition_spec    golden ["fsdp",null,null]  now [null,null,null]' in outcome.report
+
+
+def test_missing_golden_fails_with_the_command(tmp_path):
+    case = load_matrix()[0]
+    outcome = check_or_update(case, tmp_path, update=False)
+    assert outcome.status == "missing" and case.command() in outcome.report
+
+
+def test_update_writes_exactly_cli_bytes(tmp_path):
+    case = load_matrix()[0]
+    assert check_or_update(case, tmp_path, update=True).status == "written"
+    assert check_or_update(case, tmp_path, update=True).status == "match"
+    folder = next(tmp_path.rglob("named_shardings.json")).parent
+    for f in folder.iterdir():
+        assert f.read_bytes() == (REPO / "golden" / f.relative_to(tmp_path)).read_bytes()
+    shutil.rmtree(tmp_path / case.model)

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Benchmark: wall time and peak memory of every case, cold (fresh process) and warm (in-process).
+
+    python tools/bench.py            # every case of the matrix
+    python tools/bench.py --cases 3  # the first three
+
+Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included);
+peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
+this process's max RSS growth. Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sharding_dump.case import load_matrix  # noqa: E402
+from sharding_dump.dump import render_case  # noqa: E402
+
+
+def run_child(args: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one CLI process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "sharding_dump.cli", *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(args)}: {proc.stderr.read().decode()}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def case_args(case) -> list[str]:
+    return case.command().split()[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=0, help="only the first N cases (0: all)")
+    parser.add_argument("--repeat", type=int, default=3, help="warm repetitions per case")
+    args = parser.parse_args()
+    cases = load_matrix()
+    if args.cases:
+        cases = cases[: args.cases]
+    print(f"{len(cases)} cases, {os.cpu_count()} cores, python {sys.version.split()[0]}")
+    print(f"{'case':<92} {'cold s':>7} {'cold MiB':>9} {'warm s':>7} {'warm +MiB':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            cold, cold_mib = run_child(case_args(case) + ["--output-dir", tmp])
+            render_case(case)  # first in-process run: traces and caches
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            times = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                render_case(case)
+                times.append(time.perf_counter() - start)
+            grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+            print(f"{case.label:<92} {cold:>7.2f} {cold_mib:>9.0f} {statistics.median(times):>7.3f} {grown:>9.1f}")
+        wall, mib = run_child(["--all", "--output-dir", tmp])
+    print(f"{'whole matrix (sharding-dump --all, one process)':<92} {wall:>7.2f} {mib:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
