@@ -3,6 +3,7 @@
 
     python tools/bench.py            # every case of the matrix
     python tools/bench.py --cases 3  # the first three
+    python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
 
 Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included);
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
@@ -48,8 +49,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=0, help="only the first N cases (0: all)")
     parser.add_argument("--repeat", type=int, default=3, help="warm repetitions per case")
+    parser.add_argument("--model", action="append", default=[], help="only cases of this model (repeatable)")
     args = parser.parse_args()
-    cases = load_matrix()
+    unknown = sorted(set(args.model) - {c.model for c in load_matrix()})
+    if unknown:
+        parser.error(f"no case of model {', '.join(unknown)} in the case matrix")
+    cases = [c for c in load_matrix() if not args.model or c.model in args.model]
     if args.cases:
         cases = cases[: args.cases]
     print(f"{len(cases)} cases, {os.cpu_count()} cores, python {sys.version.split()[0]}")

@@ -10,11 +10,15 @@ from __future__ import annotations
 import flax.linen as nn
 
 from sharding_dump.models.config import ModelConfig, check_model_name, load_config, model_names
+from sharding_dump.models.deepseek import DeepSeekDecoderLM
 from sharding_dump.models.dense import DenseDecoderLM
+from sharding_dump.models.gpt_oss import GptOssDecoderLM
 
 DECODERS: dict[str, type[nn.Module]] = {
     "llama2": DenseDecoderLM,
     "qwen3": DenseDecoderLM,
+    "deepseek": DeepSeekDecoderLM,
+    "gpt_oss": GptOssDecoderLM,
 }
 
 __all__ = ["DECODERS", "ModelConfig", "build_model", "check_model_name", "load_config", "model_names"]

@@ -1,0 +1,46 @@
+"""Causal softmax attention for the MoE decoders: grouped heads, a value width of its own (MLA),
+an optional sliding window and optional per-head attention sinks (gpt-oss).
+
+`jax.nn.dot_product_attention` covers none of the last three, so the score matrix is written out.
+
+>>> import jax.numpy as jnp
+>>> q = jnp.ones((1, 4, 8, 16)); k = jnp.ones((1, 4, 2, 16)); v = jnp.ones((1, 4, 2, 12))
+>>> causal_attention(q, k, v, scale=0.25, sliding_window=2, sinks=jnp.zeros(8)).shape
+(1, 4, 8, 12)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Logical axes of the activations MaxText constrains inside attention.
+ATTENTION_INPUT = ("activation_batch_attn", "activation_length", "activation_embed")
+QKV = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
+ATTENTION_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv")
+
+
+def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scale: float,
+                     sliding_window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
+    """query (b, t, heads, d), key (b, s, kv_heads, d), value (b, s, kv_heads, dv) -> (b, t, heads, dv).
+
+    `sliding_window` > 0 lets a position see only the last `sliding_window` positions; `sinks`
+    (heads,) adds one extra logit per head that takes probability mass but contributes no value."""
+    batch, length, heads, _ = query.shape
+    kv_heads = key.shape[2]
+    group = heads // kv_heads
+    q = query.reshape(batch, length, kv_heads, group, query.shape[-1])
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32) * scale
+    positions = jnp.arange(length)
+    visible = positions[None, :] <= positions[:, None]
+    if sliding_window:
+        visible &= positions[None, :] > positions[:, None] - sliding_window
+    logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, group, 1, 1),
+                                logits.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
+    return out.reshape(batch, length, heads, value.shape[-1])

@@ -1,0 +1,123 @@
+"""Routed mixture of experts: a router picks `num_experts_per_tok` experts per token, each expert is
+a gated MLP, and the token's output is the router-weighted sum of its experts' outputs.
+
+Parameters (before the layer axis is inserted at position 1 by the scan)::
+
+    gate/kernel        (embed_moe, None)           router
+    gate/bias          (None,)                     [routed_bias]
+    wi_0, wi_1         (exp, embed_moe, mlp_moe)   expert up-projections
+    wo                 (exp, mlp_moe, embed_moe)   expert down-projection
+    wi_0_bias, wi_1_bias (exp, activation_mlp); wo_bias (exp, activation_embed)   [mlp_bias]
+
+The experts run as einsums over the `exp` axis for every token (dropless, no capacity), weighted by
+a combine matrix that is zero outside each token's chosen experts: the same parameters and the same
+logical axes as a sorted/ragged dispatch, in a form `jax.eval_shape` traces in constant time.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sharding_dump.activations import constrain
+from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.layers import activation, weight_param
+
+ROUTER_AXES = ("activation_batch", "activation_norm_length", None)
+GPT_OSS_GLU_ALPHA = 1.702  # gpt-oss's x * sigmoid(alpha * x) gate
+
+
+def expert_init() -> nn.initializers.Initializer:
+    """Fan-in scaling per expert: the expert axis is a batch of independent matrices."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                            batch_axis=(0,))
+
+
+def gated_unit(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """act0(gate) * act1(up); with `mlp_activations_limit`, gpt-oss's clamped sigmoid-linear unit
+    gate * sigmoid(1.702 gate) * (up + 1), gate clamped above and up clamped both ways."""
+    if cfg.mlp_activations_limit:
+        limit = cfg.mlp_activations_limit
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(GPT_OSS_GLU_ALPHA * gate) * (up + 1)
+    first, second = cfg.mlp_activations
+    return activation(first, gate) * activation(second, up)
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(weights, expert indices), each (batch, length, num_experts_per_tok).
+
+    With a score function (softmax or sigmoid) the bias only steers which experts are chosen
+    (DeepSeek-V3's load balancing without an auxiliary loss) and the weights are the unbiased
+    scores, renormalised for sigmoid and scaled by `routed_scaling_factor`. Without one, the bias is
+    part of the logits and the weights are a softmax over the chosen logits (gpt-oss, Mixtral)."""
+    logits = logits.astype(jnp.float32)
+    if cfg.routed_score_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    elif cfg.routed_score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = logits
+    selection = scores if bias is None else scores + bias.astype(jnp.float32)
+    chosen, indices = jax.lax.top_k(selection, cfg.num_experts_per_tok)
+    if cfg.routed_score_func == "none":
+        return jax.nn.softmax(chosen, axis=-1), indices
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    if cfg.routed_score_func == "sigmoid":
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights * cfg.routed_scaling_factor, indices
+
+
+class Router(nn.Module):
+    """Router logits (batch, length, num_experts) and its optional per-expert bias."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        cfg = self.cfg
+        kernel = weight_param(self, "kernel", (x.shape[-1], cfg.num_experts), ("embed_moe", None), cfg)
+        logits = jnp.tensordot(x.astype(jnp.float32), kernel.astype(jnp.float32), axes=1)
+        bias = None
+        if cfg.routed_bias:
+            bias = weight_param(self, "bias", (cfg.num_experts,), (None,), cfg, nn.initializers.zeros)
+        return logits, bias
+
+
+class RoutedExperts(nn.Module):
+    """Router plus `num_experts` gated MLPs of width `moe_mlp_dim`."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        experts, embed, width = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
+        x = constrain(x, ROUTER_AXES, "inputs")
+        logits, bias = Router(cfg, name="gate")(x)
+        logits = constrain(logits.astype(dtype), ROUTER_AXES, "gate_logits")
+        weights, indices = route(cfg, logits, bias)
+        combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, experts, dtype=jnp.float32), weights)
+
+        wi_axes, wo_axes = ("exp", "embed_moe", "mlp_moe"), ("exp", "mlp_moe", "embed_moe")
+        wi_0 = weight_param(self, "wi_0", (experts, embed, width), wi_axes, cfg, expert_init())
+        wi_1 = weight_param(self, "wi_1", (experts, embed, width), wi_axes, cfg, expert_init())
+        wo = weight_param(self, "wo", (experts, width, embed), wo_axes, cfg, expert_init())
+        x = x.astype(dtype)
+        gate = jnp.einsum("bsd,edm->bsem", x, wi_0.astype(dtype))
+        up = jnp.einsum("bsd,edm->bsem", x, wi_1.astype(dtype))
+        if cfg.mlp_bias:
+            zeros = nn.initializers.zeros
+            bias_axes = ("exp", "activation_mlp")
+            gate = gate + weight_param(self, "wi_0_bias", (experts, width), bias_axes, cfg, zeros).astype(dtype)
+            up = up + weight_param(self, "wi_1_bias", (experts, width), bias_axes, cfg, zeros).astype(dtype)
+        hidden = gated_unit(cfg, gate, up) * combine[..., None].astype(dtype)
+        out = jnp.einsum("bsem,emd->bsd", hidden.astype(dtype), wo.astype(dtype))
+        if cfg.mlp_bias:
+            wo_bias = weight_param(self, "wo_bias", (experts, embed), ("exp", "activation_embed"), cfg,
+                                   nn.initializers.zeros)
+            out = out + jnp.einsum("bse,ed->bsd", combine, wo_bias).astype(dtype)
+        return out

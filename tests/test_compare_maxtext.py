@@ -1,0 +1,119 @@
+"""tools/compare_maxtext.py against MaxText's published deepseek2-16b dumps, and proof that it bites.
+
+The reference lives in `../shared/reference` beside the repository (CI clones it there). Without it
+these tests fail with a message saying so: a comparison that silently did not run is no comparison.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from sharding_dump.case import golden_dir, load_matrix
+
+REFERENCE = REPO.parent / "shared" / "reference" / "maxtext" / "goldens"
+TOOL = REPO / "tools" / "compare_maxtext.py"
+GOLDEN = REPO / "golden"
+
+# MaxText's eight published cases, as folders of its golden tree.
+REFERENCE_CASES = [
+    "deepseek2-16b/tpu7x-16/slice_1/rule_default",
+    "deepseek2-16b/tpu7x-16/slice_1/rule_pure-fsdp",
+    "deepseek2-16b/tpu7x-16/slice_1/rule_ep-as-dp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2"
+    "_use_ring_of_experts=true",
+    "deepseek2-16b/tpu7x-8/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2",
+    "deepseek2-16b/tpu7x-8/slice_1/rule_cp-as-ep_ici_fsdp_parallelism=-1_ici_context_parallelism=2"
+    "_ici_expert_parallelism=2",
+    "deepseek2-16b/tpu7x-8/slice_1/rule_ep-as-cp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2",
+    "deepseek2-16b/v6e-16/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_expert_parallelism=4",
+    "deepseek2-16b/v6e-16/slice_1/rule_pipeline-large-moe_ici_fsdp_parallelism=-1_ici_expert_parallelism=4"
+    "_use_ring_of_experts=true",
+]
+MOE_WEIGHT = "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi_0"
+
+
+def reference_root():
+    if not (REFERENCE / "deepseek2-16b").is_dir():
+        pytest.fail(f"MaxText reference goldens not found at {REFERENCE}: the comparison needs the shared/ "
+                    f"folder cloned beside the repository (../shared/reference/maxtext/goldens)", pytrace=False)
+    return REFERENCE
+
+
+def our_folder(reference_case: str):
+    """Our golden folder for a reference case, through golden_dir; the case must be in the matrix."""
+    folders = {golden_dir(case, GOLDEN): case for case in load_matrix()}
+    folder = GOLDEN / reference_case
+    assert folder in folders, f"reference case {reference_case} is not in sharding_dump/data/cases.yml"
+    return golden_dir(folders[folder], GOLDEN)
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+def test_reference_case_list_is_complete():
+    published = sorted(p.parent.relative_to(reference_root()).as_posix()
+                       for p in reference_root().rglob("named_shardings.json"))
+    assert published == sorted(REFERENCE_CASES)
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=lambda c: c.split("/", 1)[1])
+def test_matches_maxtext(case):
+    result = run_tool(reference_root() / case, our_folder(case))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "(shape, spec) multiset remainder 0 + 0" in result.stdout
+    assert "named_shardings.json: 84 reference leaves, 84 ours; 84 match by path" in result.stdout
+
+
+def copy_of_ours(tmp_path, case):
+    folder = tmp_path / "ours"
+    shutil.copytree(our_folder(case), folder)
+    return folder, json.loads((folder / "named_shardings.json").read_text())
+
+
+def test_changed_spec_is_printed_with_both_sides(tmp_path):
+    case = REFERENCE_CASES[0]
+    folder, doc = copy_of_ours(tmp_path, case)
+    doc["tensors"][MOE_WEIGHT]["partition_spec"] = [None, None, None, None]
+    (folder / "named_shardings.json").write_text(json.dumps(doc))
+    result = run_tool(reference_root() / case, folder)
+    assert result.returncode == 1
+    assert f"  {MOE_WEIGHT}\n      reference shape [64,26,2048,1408] spec " \
+           '["expert",null,["fsdp","context","context_usp_ulysses"],' in result.stdout
+    assert "      ours      shape [64,26,2048,1408] spec [null,null,null,null]" in result.stdout
+    assert "1 differ" in result.stdout and "multiset remainder 1 + 1" in result.stdout
+
+
+def test_renamed_leaf_is_caught_by_path_not_by_multiset(tmp_path):
+    case = REFERENCE_CASES[0]
+    folder, doc = copy_of_ours(tmp_path, case)
+    doc["tensors"]["params/decoder/moe_layers/renamed"] = doc["tensors"].pop(MOE_WEIGHT)
+    (folder / "named_shardings.json").write_text(json.dumps(doc))
+    result = run_tool(reference_root() / case, folder)
+    assert result.returncode == 1
+    assert f"only in reference: {MOE_WEIGHT}" in result.stdout
+    assert "only in ours: params/decoder/moe_layers/renamed" in result.stdout
+    assert "multiset remainder 0 + 0" in result.stdout
+
+
+def test_mesh_difference_is_reported(tmp_path):
+    case = REFERENCE_CASES[0]
+    folder, doc = copy_of_ours(tmp_path, case)
+    doc["mesh"]["axis_sizes"][doc["mesh"]["axis_names"].index("fsdp")] = 8
+    (folder / "named_shardings.json").write_text(json.dumps(doc))
+    result = run_tool(reference_root() / case, folder)
+    assert result.returncode == 1 and "mesh differs" in result.stdout
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda tmp: (tmp / "nope", tmp), "no such case folder"),
+    (lambda tmp: (tmp, tmp), "named_shardings.json: no such file"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
+    result = run_tool(*make(tmp_path))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr

@@ -1,0 +1,66 @@
+"""MoE golden cases: every MoE rule file is covered and bites, layouts divide evenly, and
+`use_ring_of_experts` is recorded without changing any layout."""
+
+import json
+import math
+
+import pytest
+
+from helpers import REPO
+from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump.dump import dump_case
+from sharding_dump.golden import check_or_update
+
+MOE_MODELS = ("deepseek2-16b", "deepseek3-671b", "gpt-oss-20b")
+
+
+# One line of each MoE rule file, and what it becomes: the routed experts must change layout.
+RULE_MUTATIONS = [
+    ("shard-exp-on-fsdp", "  - [exp, [expert, fsdp]]\n", "  - [exp, [expert]]\n"),
+    ("ep-as-cp", "  - [exp, expert]\n", "  - [exp, []]\n"),
+    ("cp-as-ep", "  - [exp, [context, expert]]\n", "  - [exp, [expert]]\n"),
+    ("ep-as-dp", "  - [exp, expert]\n", "  - [exp, []]\n"),
+    ("pipeline-large-moe", "  - [exp, expert]\n", "  - [exp, []]\n"),
+]
+
+
+@pytest.mark.parametrize("rule,line,mutated", RULE_MUTATIONS, ids=[r[0] for r in RULE_MUTATIONS])
+def test_mutated_moe_rule_fails_its_golden_naming_the_expert_weights(tmp_path, rule, line, mutated):
+    """A copy of the rule file with the `exp` line changed maps to the same golden folder and fails."""
+    case = next(c for c in load_matrix() if c.rule == rule and c.model == "deepseek2-16b")
+    text = (REPO / f"sharding_dump/rules/{rule}.yml").read_text()
+    assert text.count(line) == 1, f"{rule}.yml no longer has the line {line!r}"
+    copy = tmp_path / f"{rule}.yml"
+    copy.write_text(text.replace(line, mutated))
+    mutated_case = Case.make(case.model, case.topology, str(copy), case.num_slices, dict(case.overrides))
+    assert golden_dir(mutated_case, "g") == golden_dir(case, "g")
+    outcome = check_or_update(mutated_case, REPO / "golden", update=False)
+    assert outcome.status == "differs"
+    for weight in ("wi_0", "wi_1", "wo"):
+        assert (f"params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/{weight}  "
+                f"(and opt_state/0/mu, opt_state/0/nu)") in outcome.report
+
+
+def test_every_moe_rule_file_has_a_golden_case():
+    covered = {c.rule for c in load_matrix() if c.model in MOE_MODELS}
+    assert {rule for rule, _, _ in RULE_MUTATIONS} <= covered
+
+
+@pytest.mark.parametrize("case", [c for c in load_matrix() if c.model in MOE_MODELS], ids=lambda c: c.label)
+def test_moe_cases_shard_every_dimension_evenly(case):
+    """Indivisible splits compile to padding or fail on hardware; the committed MoE cases have none."""
+    doc = json.loads((golden_dir(case, REPO / "golden") / "named_shardings.json").read_text())
+    sizes = dict(zip(doc["mesh"]["axis_names"], doc["mesh"]["axis_sizes"]))
+    for path, tensor in doc["tensors"].items():
+        for dim, entry in zip(tensor["shape"], tensor["partition_spec"]):
+            axes = [] if entry is None else [entry] if isinstance(entry, str) else entry
+            assert dim % math.prod(sizes[a] for a in axes) == 0, (path, dim, entry)
+
+
+def test_ring_of_experts_is_recorded_but_changes_no_layout():
+    case = next(c for c in load_matrix() if dict(c.overrides).get("use_ring_of_experts"))
+    plain = Case.make(case.model, case.topology, case.rule, case.num_slices,
+                      {k: v for k, v in case.overrides if k != "use_ring_of_experts"})
+    with_ring, without = dump_case(case), dump_case(plain)
+    assert with_ring["named_shardings.json"]["case"]["overrides"]["use_ring_of_experts"] is True
+    assert with_ring["named_shardings.json"]["tensors"] == without["named_shardings.json"]["tensors"]
