@@ -62,23 +62,31 @@ def header(setup: CaseSetup) -> dict[str, Any]:
     }
 
 
+def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
+    """The resolved case and the layout of every leaf of its training state."""
+    setup = setup_case(case)
+    return setup, state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set)
+
+
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     """Every golden document of `case`, keyed by file name."""
-    setup = setup_case(case)
-    layouts = state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set)
+    setup, layouts = case_layouts(case)
     named = {
         t.path: {
             "shape": list(t.shape),
             "dtype": t.dtype,
             "partition_spec": serialize.spec_to_json(t.partition_spec, len(t.shape)),
             "per_device_shape": list(t.per_device_shape),
+            "per_device_bytes": t.per_device_bytes,
         }
         for t in layouts
     }
     logical = {t.path: {"shape": list(t.shape), "logical_axes": list(t.logical_axes)} for t in layouts}
     head = header(setup)
+    # Per-device totals sit in the named header so a rule edit's memory change shows in the golden diff.
+    named_head = {**head, "per_device_bytes": state.per_device_totals(layouts)}
     return {
-        NAMED_FILE: serialize.document("named", head, named),
+        NAMED_FILE: serialize.document("named", named_head, named),
         LOGICAL_FILE: serialize.document("logical", head, logical),
     }
 
