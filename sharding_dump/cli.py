@@ -4,9 +4,12 @@
     sharding-dump --all [--output-dir DIR]
     sharding-dump list models|topologies|rules|settings
     sharding-dump diff OLD NEW [--format text|markdown|json]
+    sharding-dump check (CASE | --all) [--replicated-tolerance F]
+    sharding-dump show CASE
 
-Exit status: 0 on success (diff: no difference), 1 when `diff` finds a difference, 2 on bad input
-(one line on stderr, nothing written).
+CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
+Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
+or `check` a finding, 2 on bad input (one line on stderr, nothing written).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _dump_parser() -> argparse.ArgumentParser:
         prog="sharding-dump",
         description="Dump the sharding of a model's full training state for one case (or every case of "
                     "the matrix) as golden JSON. Other commands: `sharding-dump list models|topologies|rules|settings`, "
-                    "`sharding-dump diff` (see its --help).")
+                    "`sharding-dump diff|check|show` (each with --help).")
     _add_case_options(parser, "dump every case of the case matrix")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
                         help=f"root of the golden tree (default: {DEFAULT_OUTPUT_DIR}/)")
@@ -122,6 +125,54 @@ def _cmd_diff(argv: Sequence[str]) -> int:
     return 1 if any(r.status != "identical" for r in reports) else 0
 
 
+def _cmd_check(argv: Sequence[str]) -> int:
+    from sharding_dump import lint
+
+    parser = _Parser(prog="sharding-dump check",
+                     description="Lint one case (or every case of the matrix): indivisible splits, rules naming "
+                                 "absent mesh axes or unknown logical axes, replicated parameters, memory per "
+                                 "device above HBM. Each finding names the tensor and the rule line behind it. "
+                                 "Exit 1 on any finding, 0 when clean.")
+    _add_case_options(parser, "check every case of the case matrix")
+    parser.add_argument("--replicated-tolerance", metavar="F",
+                        help="largest share of parameter bytes that may be replicated on every device, as a "
+                             "fraction or a percentage (default: data/lint.yml, 2%%)")
+    _add_settings_argument(parser)
+    args = parser.parse_args(argv)
+    tolerance = None if args.replicated_tolerance is None else lint.parse_tolerance(args.replicated_tolerance)
+    cases = _cases(args, "checks")
+    lint.lint_settings()  # a broken data/lint.yml is bad input before any output
+    found = 0
+    for index, case in enumerate(cases, 1):
+        start = time.perf_counter()
+        findings = lint.lint_case(case, tolerance)
+        found += len(findings)
+        text = lint.render_findings(case, findings)
+        head, _, rest = text.partition("\n")
+        _progress(index, len(cases), head, start)
+        if rest:
+            print(rest, flush=True)
+    if len(cases) > 1:
+        print(f"{len(cases)} cases checked, {found} finding{'' if found == 1 else 's'}")
+    return 1 if found else 0
+
+
+def _cmd_show(argv: Sequence[str]) -> int:
+    from sharding_dump.show import render_case_table
+
+    parser = _Parser(prog="sharding-dump show",
+                     description="Print one case as a table: every leaf's path, shape, logical axes, partition "
+                                 "spec, per-device shape and bytes, then the totals per device. Writes nothing.")
+    _add_case_options(parser, None)
+    parser.add_argument("--full-specs", action="store_true",
+                        help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
+    _add_settings_argument(parser)
+    args = parser.parse_args(argv)
+    (case,) = _cases(args, "shows")
+    sys.stdout.write(render_case_table(case, full_specs=args.full_specs))
+    return 0
+
+
 def _cmd_list(argv: Sequence[str]) -> int:
     parser = _Parser(prog="sharding-dump list", description="List what exists.")
     parser.add_argument("what", choices=["models", "topologies", "rules", "settings"])
@@ -150,7 +201,7 @@ def _cmd_list(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"list": _cmd_list, "diff": _cmd_diff}
+COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.case import Case
 from sharding_dump.mesh import MeshPlan, plan_mesh
+from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
 
 NAMED_FILE = "named_shardings.json"
@@ -44,7 +45,7 @@ def setup_case(case: Case) -> CaseSetup:
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
     config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
-    rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
+    rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
     return CaseSetup(case, topology, rule_set, values, plan, config)
 
 
