@@ -3,8 +3,13 @@
     sharding-dump --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...] [--output-dir DIR]
     sharding-dump --all [--output-dir DIR]
     sharding-dump list models|topologies|rules|settings
+    sharding-dump diff OLD NEW [--format text|markdown|json]
+    sharding-dump check (CASE | --all) [--replicated-tolerance F]
+    sharding-dump show CASE
 
-Exit status: 0 on success, 2 on bad input (one line on stderr, nothing written).
+CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
+Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
+or `check` a finding, 2 on bad input (one line on stderr, nothing written).
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from sharding_dump.errors import BadInput
+
+if TYPE_CHECKING:  # the commands import what they need when they run
+    from sharding_dump.case import Case
 
 DEFAULT_OUTPUT_DIR = "golden"
 
@@ -26,52 +34,142 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(f"{message} (see {self.prog} --help)")
 
 
-def _dump_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="sharding-dump",
-        description="Dump the sharding of a model's full training state for one case (or every case of "
-                    "the matrix) as golden JSON. Other commands: `sharding-dump list models|topologies|rules|settings`.")
+def _add_case_options(parser: argparse.ArgumentParser, all_help: str | None) -> None:
+    """The options that name one case (and, when `all_help` is given, --all for the whole matrix)."""
     parser.add_argument("--model", help="model card name (sharding-dump list models)")
     parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
     parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
     parser.add_argument("--num-slices", type=int, default=1, help="number of slices (DCN), default 1")
-    parser.add_argument("--all", action="store_true", help="dump every case of the case matrix")
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
-                        help=f"root of the golden tree (default: {DEFAULT_OUTPUT_DIR}/)")
+    if all_help:
+        parser.add_argument("--all", action="store_true", help=all_help)
+
+
+def _add_settings_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
                         help="setting overrides, e.g. ici_fsdp_parallelism=-1 (sharding-dump list settings)")
+
+
+def _dump_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="sharding-dump",
+        description="Dump the sharding of a model's full training state for one case (or every case of "
+                    "the matrix) as golden JSON. Other commands: `sharding-dump list models|topologies|rules|settings`, "
+                    "`sharding-dump diff|check|show` (each with --help).")
+    _add_case_options(parser, "dump every case of the case matrix")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help=f"root of the golden tree (default: {DEFAULT_OUTPUT_DIR}/)")
+    _add_settings_argument(parser)
     return parser
 
 
-def _cmd_dump(argv: Sequence[str]) -> int:
+def _cases(args: argparse.Namespace, verb: str) -> list[Case]:
+    """The case the options name, or every case of the matrix under --all; all of them validated
+    (mesh, settings, model) so that every bad input surfaces before any work or output."""
     from sharding_dump import case as case_mod
     from sharding_dump import settings
     from sharding_dump.dump import setup_case
-    from sharding_dump.golden import check_or_update
 
-    args = _dump_parser().parse_args(argv)
-    if args.all:
+    if getattr(args, "all", False):
         if args.model or args.topology or args.rule or args.settings or args.num_slices != 1:
-            raise BadInput("--all dumps the whole case matrix: it takes no --model/--topology/--rule/--num-slices/KEY=VALUE")
+            raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/KEY=VALUE")
         cases = case_mod.load_matrix()
     else:
         missing = [flag for flag, value in (("--model", args.model), ("--topology", args.topology),
                                             ("--rule", args.rule)) if not value]
         if missing:
-            raise BadInput(f"missing {', '.join(missing)} (or use --all)")
+            raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
         overrides = settings.parse_assignments(args.settings)
         cases = [case_mod.Case.make(args.model, args.topology, args.rule, args.num_slices, overrides)]
-    for case in cases:  # every bad input surfaces before anything is written
+    for case in cases:
         setup_case(case)
+    return cases
+
+
+def _progress(index: int, count: int, line: str, started: float) -> None:
+    """One line per finished case, flushed so a CI log shows it at once; `[i/n]` when there are many."""
+    prefix = f"[{index}/{count}] " if count > 1 else ""
+    print(f"{prefix}{line} ({time.perf_counter() - started:.2f}s)", flush=True)
+
+
+def _cmd_dump(argv: Sequence[str]) -> int:
+    from sharding_dump.golden import check_or_update
+
+    args = _dump_parser().parse_args(argv)
+    cases = _cases(args, "dumps")
     total = time.perf_counter()
     for index, case in enumerate(cases, 1):
         start = time.perf_counter()
         outcome = check_or_update(case, args.output_dir, update=True)
         what = f"wrote {', '.join(outcome.files)}" if outcome.files else "unchanged"
-        prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
-        print(f"{prefix}{outcome.folder}/: {what} ({time.perf_counter() - start:.2f}s)")
+        _progress(index, len(cases), f"{outcome.folder}/: {what}", start)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
+    return 0
+
+
+def _cmd_diff(argv: Sequence[str]) -> int:
+    from sharding_dump import report
+
+    parser = _Parser(prog="sharding-dump diff",
+                     description="Compare two case folders (e.g. one model under two rules) or two golden trees "
+                                 "(e.g. a checkout of main and the working tree): per case, tensors changed, added "
+                                 "and removed, with old and new spec and per-device bytes. Exit 1 when anything "
+                                 "differs, 0 when nothing does.")
+    parser.add_argument("old", metavar="OLD", help="case folder or golden tree before the change")
+    parser.add_argument("new", metavar="NEW", help="case folder or golden tree after the change")
+    parser.add_argument("--format", choices=report.FORMATS, default="text",
+                        help="text (terminal), markdown (pull-request comment) or json; default text")
+    args = parser.parse_args(argv)
+    reports = report.compare(args.old, args.new)
+    sys.stdout.write(report.render(reports, args.format))
+    return 1 if any(r.status != "identical" for r in reports) else 0
+
+
+def _cmd_check(argv: Sequence[str]) -> int:
+    from sharding_dump import lint
+
+    parser = _Parser(prog="sharding-dump check",
+                     description="Lint one case (or every case of the matrix): indivisible splits, rules naming "
+                                 "absent mesh axes or unknown logical axes, replicated parameters, memory per "
+                                 "device above HBM. Each finding names the tensor and the rule line behind it. "
+                                 "Exit 1 on any finding, 0 when clean.")
+    _add_case_options(parser, "check every case of the case matrix")
+    parser.add_argument("--replicated-tolerance", metavar="F",
+                        help="largest share of parameter bytes that may be replicated on every device, as a "
+                             "fraction or a percentage (default: data/lint.yml, 2%%)")
+    _add_settings_argument(parser)
+    args = parser.parse_args(argv)
+    tolerance = None if args.replicated_tolerance is None else lint.parse_tolerance(args.replicated_tolerance)
+    cases = _cases(args, "checks")
+    lint.lint_settings()  # a broken data/lint.yml is bad input before any output
+    found = 0
+    for index, case in enumerate(cases, 1):
+        start = time.perf_counter()
+        findings = lint.lint_case(case, tolerance)
+        found += len(findings)
+        text = lint.render_findings(case, findings)
+        head, _, rest = text.partition("\n")
+        _progress(index, len(cases), head, start)
+        if rest:
+            print(rest, flush=True)
+    if len(cases) > 1:
+        print(f"{len(cases)} cases checked, {found} finding{'' if found == 1 else 's'}")
+    return 1 if found else 0
+
+
+def _cmd_show(argv: Sequence[str]) -> int:
+    from sharding_dump.show import render_case_table
+
+    parser = _Parser(prog="sharding-dump show",
+                     description="Print one case as a table: every leaf's path, shape, logical axes, partition "
+                                 "spec, per-device shape and bytes, then the totals per device. Writes nothing.")
+    _add_case_options(parser, None)
+    parser.add_argument("--full-specs", action="store_true",
+                        help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
+    _add_settings_argument(parser)
+    args = parser.parse_args(argv)
+    (case,) = _cases(args, "shows")
+    sys.stdout.write(render_case_table(case, full_specs=args.full_specs))
     return 0
 
 
@@ -103,7 +201,7 @@ def _cmd_list(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"list": _cmd_list}
+COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,11 +44,17 @@ def _top_keys(tree: DeepDiff) -> list[list[Any]]:
     return paths
 
 
+def _deepdiff(old: Any, new: Any) -> DeepDiff:
+    # threshold_to_diff_deeper=0: always report per key. By default deepdiff reports two mappings
+    # that share under a third of their keys as one changed value, which names no tensor.
+    return DeepDiff(old, new, view="tree", threshold_to_diff_deeper=0)
+
+
 def diff_documents(old: Mapping[str, Any], new: Mapping[str, Any]) -> DocumentDiff:
     """Groups deepdiff's findings by tensor and field (and header field)."""
     out = DocumentDiff()
     old_t, new_t = old.get("tensors", {}), new.get("tensors", {})
-    for path in _top_keys(DeepDiff(old_t, new_t, view="tree")):
+    for path in _top_keys(_deepdiff(old_t, new_t)):
         name = path[0]
         if name not in old_t:
             out.added[name] = new_t[name]
@@ -62,7 +68,7 @@ def diff_documents(old: Mapping[str, Any], new: Mapping[str, Any]) -> DocumentDi
                 out.changed.setdefault(name, {})[field] = (old_t[name].get(field), new_t[name].get(field))
     old_h = {k: v for k, v in old.items() if k != "tensors"}
     new_h = {k: v for k, v in new.items() if k != "tensors"}
-    for path in _top_keys(DeepDiff(old_h, new_h, view="tree")):
+    for path in _top_keys(_deepdiff(old_h, new_h)):
         key = path[0] if len(path) == 1 else f"{path[0]}.{path[1]}"
         out.header[key] = (_get(old_h, path[:2]), _get(new_h, path[:2]))
     return out
@@ -86,7 +92,7 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _mirror(name: str) -> tuple[str, str] | None:
+def slot_parameter(name: str) -> tuple[str, str] | None:
     """`opt_state/0/mu/x/y` -> ('params/x/y', 'opt_state/0/mu'): an optimizer slot of a parameter."""
     parts = name.split("/")
     if len(parts) > 3 and parts[0] == "opt_state" and parts[2] in ("mu", "nu"):
@@ -94,16 +100,16 @@ def _mirror(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _fold(changed: dict[str, dict[str, tuple[Any, Any]]]) -> dict[str, tuple[dict, list[str]]]:
+def fold_slots(changed: dict[str, Any]) -> dict[str, tuple[Any, list[str]]]:
     """Groups optimizer slots whose change equals their parameter's change under that parameter."""
     folded: dict[str, tuple[dict, list[str]]] = {}
     for name in sorted(changed):
-        mirror = _mirror(name)
+        mirror = slot_parameter(name)
         if mirror and mirror[0] in changed and changed[mirror[0]] == changed[name]:
             continue
         folded[name] = (changed[name], [])
     for name in sorted(changed):
-        mirror = _mirror(name)
+        mirror = slot_parameter(name)
         if mirror and mirror[0] in folded and changed[mirror[0]] == changed[name]:
             folded[mirror[0]][1].append(mirror[1])
     return folded
@@ -116,7 +122,7 @@ def format_diff(file_name: str, diff: DocumentDiff, limit: int = MAX_TENSORS) ->
              f"{len(diff.added)} added, {len(diff.removed)} removed"]
     for key, (old, new) in sorted(diff.header.items()):
         lines.append(f"  header {key}  golden {compact(old)}  now {compact(new)}")
-    folded = _fold(diff.changed)
+    folded = fold_slots(diff.changed)
     order = sorted(folded, key=lambda n: (not n.startswith("params/"), n))
     shown = 0
     for name in order[:limit]:

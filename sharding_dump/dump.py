@@ -17,6 +17,7 @@ from typing import Any
 from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.case import Case
 from sharding_dump.mesh import MeshPlan, plan_mesh
+from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
 
 NAMED_FILE = "named_shardings.json"
@@ -44,7 +45,7 @@ def setup_case(case: Case) -> CaseSetup:
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
     config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
-    rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
+    rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
     return CaseSetup(case, topology, rule_set, values, plan, config)
 
 
@@ -62,23 +63,31 @@ def header(setup: CaseSetup) -> dict[str, Any]:
     }
 
 
+def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
+    """The resolved case and the layout of every leaf of its training state."""
+    setup = setup_case(case)
+    return setup, state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set)
+
+
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     """Every golden document of `case`, keyed by file name."""
-    setup = setup_case(case)
-    layouts = state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set)
+    setup, layouts = case_layouts(case)
     named = {
         t.path: {
             "shape": list(t.shape),
             "dtype": t.dtype,
             "partition_spec": serialize.spec_to_json(t.partition_spec, len(t.shape)),
             "per_device_shape": list(t.per_device_shape),
+            "per_device_bytes": t.per_device_bytes,
         }
         for t in layouts
     }
     logical = {t.path: {"shape": list(t.shape), "logical_axes": list(t.logical_axes)} for t in layouts}
     head = header(setup)
+    # Per-device totals sit in the named header so a rule edit's memory change shows in the golden diff.
+    named_head = {**head, "per_device_bytes": state.per_device_totals(layouts)}
     return {
-        NAMED_FILE: serialize.document("named", head, named),
+        NAMED_FILE: serialize.document("named", named_head, named),
         LOGICAL_FILE: serialize.document("logical", head, logical),
     }
 

@@ -7,14 +7,23 @@ golden, the exact command that creates it). A missing golden is a failure, never
     @pytest.mark.parametrize("case", load_matrix(), ids=lambda c: c.label)
     def test_golden(case, sharding_golden):
         sharding_golden.check(case)
+
+    def test_no_stale_goldens(sharding_golden):
+        sharding_golden.check_stale(load_matrix())
+
+`check_stale` fails with every golden path that none of the cases produces; under --update-goldens
+it deletes them instead. It is one test item, so under pytest-xdist exactly one worker scans (and
+deletes) and the report is the same as without xdist.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import pytest
 
+from sharding_dump import stale
 from sharding_dump.case import Case
 from sharding_dump.golden import Outcome, check_or_update
 
@@ -39,6 +48,15 @@ class GoldenChecker:
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         return outcome
+
+    def check_stale(self, cases: Iterable[Case]) -> list[Path]:
+        """Fails naming every golden path no case of `cases` produces; under --update-goldens removes
+        them and returns what it removed."""
+        paths = stale.stale_paths(self.root, cases)
+        if paths and not self.update:
+            pytest.fail(stale.report(paths), pytrace=False)
+        stale.remove(paths)
+        return paths
 
 
 @pytest.fixture

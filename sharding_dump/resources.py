@@ -84,3 +84,16 @@ def error_message(error: jsonschema.ValidationError) -> str:
         return f"{json.dumps(error.instance)[:60]} is not {error.schema['description']}"
     message = error.message
     return message if len(message) <= 160 else message[:157] + "..."
+
+
+def yaml_item_lines(path: Path, key: str) -> list[int]:
+    """The 1-based line of each item of the top-level list `key` of a YAML file (empty when absent),
+    so a finding can point at the exact rule a user would edit. Call after :func:`load_yaml` has
+    accepted the file."""
+    node = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    for key_node, value_node in node.value:
+        if key_node.value == key and isinstance(value_node, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in value_node.value]
+    return []

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import flax.linen as nn
+from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
 from jax.sharding import PartitionSpec
 
 from sharding_dump import settings as settings_mod
 from sharding_dump.errors import BadInput
-from sharding_dump.resources import RULES_DIR, load_yaml, validate
+from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -42,6 +43,8 @@ class RuleSet:
     input_data_sharding_logical_axes: tuple[str, ...]
     logical_axis_rules: Rules
     mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
+    origins: tuple[tuple[Path, int], ...] = ()
 
     def mesh_settings_for(self, topology_name: str) -> dict[str, Any]:
         """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
@@ -134,20 +137,57 @@ def load_rule(ref: str) -> RuleSet:
             data.get("input_data_sharding_logical_axes", DEFAULT_INPUT_AXES)),
         logical_axis_rules=rules,
         mesh_rules=tuple(mesh_rules),
+        origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
     )
 
 
-def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]]) -> RuleSet:
+def axes_of(axes: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes a rule's right-hand side names, as a tuple."""
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source: Path | None = None) -> RuleSet:
     """Applies a model card's own rules the way MaxText merges them: every rule of the rule file with
     the same logical name is dropped and the card's rules are appended. A card rule that names an axis
-    this mesh lacks is left out (the card cannot know every mesh)."""
-    extra = tuple((name, _axes(axes)) for name, axes in overrides
-                  if all(a in rule_set.mesh_axes for a in ([axes] if isinstance(axes, str) else axes or ())))
+    this mesh lacks is left out (the card cannot know every mesh; `sharding-dump check` reports it).
+    `source` is the card's file, so the merged rules keep pointing at the line that wrote them."""
+    lines = yaml_item_lines(source, "logical_axis_rules") if source is not None else []
+    extra, extra_origins = [], []
+    for index, (name, axes) in enumerate(overrides):
+        if all(a in rule_set.mesh_axes for a in axes_of(_axes(axes))):
+            extra.append((name, _axes(axes)))
+            if index < len(lines):
+                extra_origins.append((source, lines[index]))
     if not extra:
         return rule_set
     names = {name for name, _ in extra}
-    kept = tuple(r for r in rule_set.logical_axis_rules if r[0] not in names)
-    return dataclasses.replace(rule_set, logical_axis_rules=kept + extra)
+    kept = [i for i, r in enumerate(rule_set.logical_axis_rules) if r[0] not in names]
+    origins = ()
+    if len(rule_set.origins) == len(rule_set.logical_axis_rules) and len(extra_origins) == len(extra):
+        origins = tuple(rule_set.origins[i] for i in kept) + tuple(extra_origins)
+    return dataclasses.replace(rule_set, logical_axis_rules=tuple(rule_set.logical_axis_rules[i] for i in kept)
+                               + tuple(extra), origins=origins)
+
+
+def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) -> int | None:
+    """Index of the rule that decided dimension `dim` of a logical spec, or None when no rule did.
+
+    flax assigns dimensions while it walks the rules in order, so replaying its own resolver on growing
+    prefixes of the rules finds the first prefix that assigns `dim`; its last rule is the one.
+
+    >>> r = (("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", None))
+    >>> deciding_rule(("embed", "mlp"), r, 1)   # the first mlp rule is skipped: fsdp is taken
+    2
+    >>> deciding_rule(("embed", "vocab"), r, 1) is None
+    True
+    """
+    names = tuple(logical_axes)
+    if names[dim] is None:
+        return None
+    for index, (name, _) in enumerate(rules):
+        if name == names[dim] and spmd._logical_to_mesh_axes(names, rules[: index + 1])[dim] is not spmd._unassigned_axis:
+            return index
+    return None
 
 
 def to_mesh_axes(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:

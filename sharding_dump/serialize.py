@@ -18,7 +18,10 @@ from jax.sharding import PartitionSpec
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import error_field, error_message, schema_validator
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of every document kind not listed in FORMAT_VERSIONS
+# named v2 added per-device bytes (per tensor and per-device totals in the header); the schema still
+# reads v1 so that `sharding-dump diff` can compare goldens written before the change.
+FORMAT_VERSIONS = {"named": 2}
 SpecJson = list[None | str | list[str]]
 
 
@@ -41,7 +44,8 @@ def spec_to_json(spec: PartitionSpec, ndim: int) -> SpecJson:
 
 def document(kind: str, header: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
     """A golden document of `kind` (named, logical, ...): header fields plus a `tensors` map."""
-    return {"format_version": FORMAT_VERSION, "kind": kind, **header, "tensors": dict(tensors)}
+    version = FORMAT_VERSIONS.get(kind, FORMAT_VERSION)
+    return {"format_version": version, "kind": kind, **header, "tensors": dict(tensors)}
 
 
 def check_document(doc: Mapping[str, Any], where: str) -> None:

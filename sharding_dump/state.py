@@ -44,6 +44,16 @@ class TensorLayout:
         """Each dim divided by the product of its mesh axes (rounded up: XLA pads a ragged split)."""
         return tuple(-(-dim // self.shards(i)) for i, dim in enumerate(self.shape))
 
+    @property
+    def per_device_bytes(self) -> int:
+        """Bytes of the largest shard: what every device holds of this leaf (padding included)."""
+        return math.prod(self.per_device_shape) * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def group(self) -> str:
+        """The top-level part of the state the leaf belongs to: params, opt_state or step."""
+        return self.path.split("/", 1)[0]
+
     def shards(self, dim: int) -> int:
         """How many pieces dimension `dim` is split into."""
         entry = self.partition_spec[dim] if dim < len(self.partition_spec) else None
@@ -97,6 +107,15 @@ def leaves(state: dict[str, Any]) -> list[tuple[str, jax.ShapeDtypeStruct, tuple
 def parameter_count(state: dict[str, Any]) -> int:
     """Sum of the sizes of every parameter leaf."""
     return sum(math.prod(a.shape) for p, a, _ in leaves(state) if p.startswith("params/"))
+
+
+def per_device_totals(layouts: list[TensorLayout]) -> dict[str, int]:
+    """Bytes each device holds per top-level group of the state, and their `total`."""
+    totals: dict[str, int] = {}
+    for t in layouts:
+        totals[t.group] = totals.get(t.group, 0) + t.per_device_bytes
+    totals["total"] = sum(totals.values())
+    return dict(sorted(totals.items()))
 
 
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet) -> list[TensorLayout]:

@@ -4,10 +4,13 @@ import json
 
 import pytest
 
+from helpers import REPO
 from sharding_dump import rules
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import SCHEMAS_DIR, schema_validator
 from sharding_dump.settings import format_value, parse_overrides
+
+REPO_GOLDEN = REPO / "golden"
 
 SHIPPED = ["cp-as-ep", "default", "ep-as-cp", "ep-as-dp", "pipeline-large-moe", "pure-fsdp", "shard-exp-on-fsdp"]
 
@@ -104,3 +107,22 @@ def test_golden_schema_rejects_bad_document():
                         "tensors": {"params/x": {"shape": [8], "dtype": "float32", "partition_spec": ["fsdp"]}}},
                        "doc")
     assert json.dumps(None) == "null"
+
+
+def test_named_format_2_requires_per_device_bytes_and_format_1_still_reads():
+    import copy
+
+    from sharding_dump.serialize import check_document, read_document
+    doc = read_document(REPO_GOLDEN / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp/named_shardings.json")
+    assert doc["format_version"] == 2 and doc["per_device_bytes"]["params"] == 3369207808
+    assert doc["tensors"]["params/decoder/layers/mlp/wi_0/kernel"]["per_device_bytes"] == 512 * 32 * 11008 * 4
+    for drop in (("per_device_bytes",), ("tensors", "step", "per_device_bytes")):
+        broken = copy.deepcopy(doc)
+        *parents, last = drop
+        target = broken
+        for key in parents:
+            target = target[key]
+        del target[last]
+        with pytest.raises(BadInput, match="'per_device_bytes' is a required property"):
+            check_document(broken, "doc")
+        check_document({**broken, "format_version": 1}, "doc")  # written before bytes were recorded

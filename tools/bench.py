@@ -5,7 +5,8 @@
     python tools/bench.py --cases 3  # the first three
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
 
-Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included);
+Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included), and
+the same for `check --all`, `diff golden golden` and `show` of the first case;
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
 this process's max RSS growth. Figures are printed, never asserted.
 """
@@ -73,6 +74,12 @@ def main() -> None:
             print(f"{case.label:<92} {cold:>7.2f} {cold_mib:>9.0f} {statistics.median(times):>7.3f} {grown:>9.1f}")
         wall, mib = run_child(["--all", "--output-dir", tmp])
     print(f"{'whole matrix (sharding-dump --all, one process)':<92} {wall:>7.2f} {mib:>9.0f}")
+    first = case_args(cases[0])
+    for label, args in (("sharding-dump check --all", ["check", "--all"]),
+                        ("sharding-dump diff golden golden (every case)", ["diff", "golden", "golden"]),
+                        (f"sharding-dump show {' '.join(first)}", ["show", *first])):
+        wall, mib = run_child(args)
+        print(f"{label:<92} {wall:>7.2f} {mib:>9.0f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 from sharding_dump.errors import BadInput
@@ -93,10 +94,15 @@ def check_model_name(name: str) -> None:
         raise BadInput(f"unknown model {name!r}: valid models are {', '.join(model_names())}")
 
 
+def card_path(name: str) -> Path:
+    """The file of model card `name` (checked to be a known card)."""
+    check_model_name(name)
+    return MODELS_DIR / f"{name}.yml"
+
+
 @functools.cache
 def _card(name: str) -> dict[str, Any]:
-    check_model_name(name)
-    path = MODELS_DIR / f"{name}.yml"
+    path = card_path(name)
     data = load_yaml(path, "model card")
     validate(data, "model-card", f"model card {path}")
     if data["name"] != name:

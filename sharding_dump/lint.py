@@ -1,0 +1,274 @@
+"""`sharding-dump check`: lints of one case's layout, each naming the tensor and the rule line behind it.
+
+- divisibility: a dimension split over mesh axes whose product does not divide it (XLA pads the last
+  shard, or jit refuses the sharding);
+- mesh-axis: a model card rule naming a mesh axis the rule file lacks (it is dropped silently);
+- unknown-name: a rule for a logical axis that no tensor of any model carries and that the trainer does
+  not define either (`data/lint.yml`), usually a typo;
+- replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
+  size > 1, i.e. held whole by every device;
+- memory: params + optimizer state per device above the topology's HBM per device.
+
+Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.rules.deciding_rule`),
+and where that rule was written from the rule set's origins (file:line of the rule file or model card).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Iterable
+
+import jax.numpy as jnp
+
+from sharding_dump import diff, models, rules, state, tables
+from sharding_dump.case import Case
+from sharding_dump.dump import CaseSetup, case_layouts
+from sharding_dump.errors import BadInput
+from sharding_dump.golden import display
+from sharding_dump.models.config import card_path
+from sharding_dump.resources import DATA_DIR, load_yaml, validate, yaml_item_lines
+from sharding_dump.state import TensorLayout, per_device_totals
+
+LINT_FILE = DATA_DIR / "lint.yml"
+TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
+
+    lint: str  # divisibility | mesh-axis | unknown-name | replicated | memory
+    subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
+    message: str
+    details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
+
+    def render(self) -> str:
+        lines = [f"  [{self.lint}] {self.subject}", f"      {self.message}"]
+        lines += [f"      {d}" for d in self.details]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class LintSettings:
+    replicated_tolerance: float
+    known_logical_axes: frozenset[str]
+
+
+@functools.cache
+def lint_settings() -> LintSettings:
+    """The defaults of `data/lint.yml`."""
+    data = load_yaml(LINT_FILE, "lint settings")
+    validate(data, "lint", f"lint settings {LINT_FILE}")
+    names = frozenset(name for group in data["known_logical_axes"] for name in group)
+    return LintSettings(float(data["replicated_tolerance"]), names)
+
+
+@functools.cache
+def model_logical_axes() -> frozenset[str]:
+    """Every logical axis name on any leaf of any model card's training state."""
+    names: set[str] = set()
+    for model in models.model_names():
+        for _, _, logical in state.leaves(state.abstract_state(models.load_config(model))):
+            names.update(n for n in logical if n is not None)
+    return frozenset(names)
+
+
+def _axes_text(axes: rules.MeshAxes) -> str:
+    if axes is None:
+        return "null"
+    if isinstance(axes, str):
+        return axes
+    return f"[{', '.join(axes)}]"
+
+
+def rule_text(rule_set: rules.RuleSet, index: int) -> str:
+    """`sharding_dump/rules/default.yml:36  [kv_heads, [tensor, tensor_sequence]]`."""
+    name, axes = rule_set.logical_axis_rules[index]
+    where = "(unknown line)"
+    if index < len(rule_set.origins):
+        path, line = rule_set.origins[index]
+        where = f"{display(path)}:{line}"
+    return f"{where}  [{name}, {_axes_text(axes)}]"
+
+
+def dimension_rules(rule_set: rules.RuleSet, layout: TensorLayout) -> list[str]:
+    """For every named dimension of a tensor, the rule that decided it (or that none did)."""
+    out = []
+    for dim, name in enumerate(layout.logical_axes):
+        if name is None:
+            continue
+        index = rules.deciding_rule(layout.logical_axes, rule_set.logical_axis_rules, dim)
+        out.append(f"  dim {dim} ({name}): " + (rule_text(rule_set, index) if index is not None
+                                                else f"no rule for '{name}' (unsharded)"))
+    return out
+
+
+def _tensor_details(rule_set: rules.RuleSet, listed: list[tuple[TensorLayout, int, str]], rest: int,
+                    rest_bytes: int, what: str) -> tuple[str, ...]:
+    """The listed tensors (with a size and a note) and the rules behind each dimension, then a count
+    of the ones not listed."""
+    lines = []
+    for layout, size, note in listed:
+        lines.append(f"{layout.path}{note}  {tables.format_bytes(size)}")
+        lines += dimension_rules(rule_set, layout)
+    if rest:
+        lines.append(f"... and {rest} more {what} ({tables.format_bytes(rest_bytes)})")
+    return tuple(lines)
+
+
+def _split(layout: TensorLayout, dim: int) -> tuple[str, ...]:
+    entry = layout.partition_spec[dim] if dim < len(layout.partition_spec) else None
+    return rules.axes_of(entry)
+
+
+def _fold(per_tensor: dict[str, tuple[Any, ...]]) -> list[tuple[str, tuple[Any, ...]]]:
+    """Folds optimizer slots whose finding equals their parameter's under the parameter."""
+    out = []
+    for name, (finding, slots) in diff.fold_slots(per_tensor).items():
+        out.append((name + (f" (and {', '.join(slots)})" if slots else ""), finding))
+    return sorted(out, key=lambda item: (not item[0].startswith("params/"), item[0]))
+
+
+def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """Dimensions whose size is not a multiple of the product of the mesh axes they are split over."""
+    sizes = setup.plan.sizes
+    per_tensor: dict[str, tuple[Any, ...]] = {}
+    for layout in layouts:
+        problems = []
+        for dim, size in enumerate(layout.shape):
+            pieces = layout.shards(dim)
+            if pieces > 1 and size % pieces:
+                axes = [a for a in _split(layout, dim) if sizes[a] > 1]
+                over = " x ".join(f"{a}={sizes[a]}" for a in axes) + (f" = {pieces}" if len(axes) > 1 else "")
+                name = layout.logical_axes[dim]
+                index = rules.deciding_rule(layout.logical_axes, setup.rule_set.logical_axis_rules, dim)
+                problems.append((f"dim {dim} ({name}) of size {size} is split over {over}: {size} is not a "
+                                 f"multiple of {pieces}", rule_text(setup.rule_set, index) if index is not None
+                                 else f"no rule for '{name}'"))
+        if problems:
+            per_tensor[layout.path] = tuple(problems)
+    return [Finding("divisibility", subject, message, (f"rule: {rule}",))
+            for subject, problems in _fold(per_tensor) for message, rule in problems]
+
+
+def check_card_rules(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """Model card rules dropped because they name a mesh axis the rule file does not declare."""
+    base = rules.load_rule(setup.case.rule)
+    path = card_path(setup.config.name)
+    lines = yaml_item_lines(path, "logical_axis_rules")
+    findings = []
+    for index, (name, axes) in enumerate(setup.config.logical_axis_rules):
+        missing = [a for a in rules.axes_of(axes) if a not in base.mesh_axes]
+        if not missing:
+            continue
+        carriers = [t.path for t in layouts if name in t.logical_axes and t.path.startswith("params/")]
+        where = f"{display(path)}:{lines[index]}" if index < len(lines) else display(path)
+        findings.append(Finding(
+            "mesh-axis", f"[{name}, {_axes_text(axes)}]",
+            f"model card rule names mesh axis {', '.join(repr(a) for a in missing)}, absent from mesh_axes "
+            f"[{', '.join(base.mesh_axes)}] of {display(base.path)}: it is dropped, so {len(carriers)} parameter(s) "
+            f"carrying '{name}' fall back to the rule file" + (f" (e.g. {carriers[0]})" if carriers else ""),
+            (f"rule: {where}  [{name}, {_axes_text(axes)}]",)))
+    return findings
+
+
+def check_names(setup: CaseSetup, known: frozenset[str]) -> list[Finding]:
+    """Rules for logical axes that no tensor of any model carries and that the trainer does not define."""
+    used = model_logical_axes() | known | set(setup.rule_set.input_data_sharding_logical_axes)
+    findings = []
+    for index, (name, _) in enumerate(setup.rule_set.logical_axis_rules):
+        if name not in used:
+            findings.append(Finding(
+                "unknown-name", f"logical axis '{name}'",
+                f"no tensor of any model ({', '.join(models.model_names())}) carries '{name}' and the trainer "
+                f"defines no such axis ({display(LINT_FILE)}): the rule never applies (a typo?)",
+                (f"rule: {rule_text(setup.rule_set, index)}",)))
+    return findings
+
+
+def _global_bytes(layout: TensorLayout) -> int:
+    return math.prod(layout.shape) * jnp.dtype(layout.dtype).itemsize
+
+
+def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: float) -> list[Finding]:
+    """Share of parameter bytes split over no mesh axis of size > 1, against the tolerance."""
+    sizes = setup.plan.sizes
+    if not any(size > 1 for size in sizes.values()):
+        return []
+    params = [t for t in layouts if t.group == "params"]
+    whole = [t for t in params if not any(sizes[a] > 1 for d in range(len(t.shape)) for a in _split(t, d))]
+    total = sum(_global_bytes(t) for t in params)
+    replicated = sum(_global_bytes(t) for t in whole)
+    if not total or replicated / total <= tolerance:
+        return []
+    axes = ", ".join(f"{a}={s}" for a, s in sizes.items() if s > 1)
+    ordered = sorted(whole, key=lambda t: (-_global_bytes(t), t.path))
+    listed = [(t, _global_bytes(t), "") for t in ordered[:TOP_TENSORS]]
+    rest = ordered[TOP_TENSORS:]
+    return [Finding(
+        "replicated", "parameters held whole by every device",
+        f"{replicated / total:.1%} of the parameter bytes ({tables.format_bytes(replicated)} of "
+        f"{tables.format_bytes(total)}) are split over none of {axes}, above the {tolerance:.1%} tolerance",
+        _tensor_details(setup.rule_set, listed, len(rest), sum(_global_bytes(t) for t in rest), "replicated parameters"))]
+
+
+def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """Params + optimizer state per device against the HBM of one device of the topology."""
+    hbm = setup.topology.hbm_bytes_per_device
+    if hbm is None:
+        return []
+    totals = per_device_totals(layouts)
+    used = totals.get("params", 0) + totals.get("opt_state", 0)
+    if used <= hbm:
+        return []
+    by_param: dict[str, int] = {}  # a parameter with its optimizer slots
+    for t in layouts:
+        if t.group == "params":
+            by_param[t.path] = by_param.get(t.path, 0) + t.per_device_bytes
+        elif t.group == "opt_state":
+            mirror = diff.slot_parameter(t.path)
+            if mirror and mirror[0] in by_param:
+                by_param[mirror[0]] += t.per_device_bytes
+    layout_of = {t.path: t for t in layouts}
+    ordered = sorted(by_param, key=lambda p: (-by_param[p], p))
+    listed = [(layout_of[p], by_param[p], " (with its optimizer slots)") for p in ordered[:TOP_TENSORS]]
+    rest = ordered[TOP_TENSORS:]
+    return [Finding(
+        "memory", "params + optimizer state per device",
+        f"params {tables.format_bytes(totals.get('params', 0))} + optimizer state "
+        f"{tables.format_bytes(totals.get('opt_state', 0))} = {tables.format_bytes(used)} per device, above the "
+        f"{tables.format_bytes(hbm)} HBM of one {setup.topology.chip} device ({used / hbm:.0%}); largest per device:",
+        _tensor_details(setup.rule_set, listed, len(rest), sum(by_param[p] for p in rest), "parameters"))]
+
+
+def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
+    """Every finding of `case`, lint by lint."""
+    settings = lint_settings()
+    tolerance = settings.replicated_tolerance if tolerance is None else tolerance
+    setup, layouts = case_layouts(case)
+    return (check_divisibility(setup, layouts) + check_card_rules(setup, layouts)
+            + check_names(setup, settings.known_logical_axes)
+            + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
+
+
+def parse_tolerance(text: str) -> float:
+    """`0.05` or `5%` -> 0.05; BadInput outside [0, 1]."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise BadInput(f"--replicated-tolerance {text!r}: must be a fraction in [0, 1] (e.g. 0.02) or a percentage (2%)")
+    return value
+
+
+def render_findings(case: Case, findings: Iterable[Finding]) -> str:
+    """`<case>: clean`, or a count line and one block per finding."""
+    findings = list(findings)
+    if not findings:
+        return f"{case.label}: clean"
+    head = f"{case.label}: {len(findings)} finding{'' if len(findings) == 1 else 's'}"
+    return "\n".join([head] + [f.render() for f in findings])

@@ -1,0 +1,272 @@
+"""`sharding-dump diff OLD NEW`: what a sharding change does, case by case, for a reviewer.
+
+OLD and NEW are two case folders (say the same model under two rules) or two golden trees (say a
+checkout of main and the working tree, paired by case folder). Every golden document is read and
+schema-checked, then compared with :func:`sharding_dump.diff.diff_documents`; this module only
+gathers the findings per case and lays them out as text, GitHub markdown (ready to paste as a
+pull-request comment) or JSON. Optimizer slots that changed exactly like their parameter are folded
+under it, as in the pytest report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+
+from sharding_dump import diff, serialize, tables
+from sharding_dump.errors import BadInput
+from sharding_dump.golden import GOLDEN_FILE_NAMES, display
+
+NAMED_FILE = "named_shardings.json"
+LAYOUT_FIELDS = ("partition_spec", "per_device_shape", "per_device_bytes")  # shown as columns
+MAX_ROWS = 100  # per case in text and markdown; JSON has every row
+FORMATS = ("text", "markdown", "json")
+
+
+@dataclasses.dataclass
+class Row:
+    """One changed, added or removed tensor (with the optimizer slots folded under it)."""
+
+    tensor: str
+    slots: list[str]
+    old_spec: Any
+    new_spec: Any
+    old_bytes: int | None
+    new_bytes: int | None
+    other: dict[str, tuple[Any, Any]]  # "file: field" -> (old, new), fields beyond the layout columns
+    status: str  # changed | added | removed
+
+
+@dataclasses.dataclass
+class CaseReport:
+    """The comparison of one case folder pair; `old`/`new` is None for a case on one side only."""
+
+    label: str
+    old: Path | None
+    new: Path | None
+    counts: dict[str, int]
+    header: dict[str, tuple[Any, Any]]
+    memory: dict[str, tuple[int | None, int | None]]  # per-device bytes per state group
+    rows: list[Row]
+    files_only: dict[str, str]  # golden file present on one side only -> "old" | "new"
+
+    @property
+    def status(self) -> str:
+        if self.old is None:
+            return "added"
+        if self.new is None:
+            return "removed"
+        changed = any(self.counts.values()) or self.header or self.files_only
+        return "changed" if changed else "identical"
+
+
+def _golden_files(folder: Path) -> list[str]:
+    return [name for name in GOLDEN_FILE_NAMES if (folder / name).is_file()]
+
+
+def case_folders(root: Path) -> dict[str, Path]:
+    """Every case folder (a folder holding golden files) under `root`, by relative path."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_dir() and _golden_files(path):
+            found[path.relative_to(root).as_posix()] = path
+    return found
+
+
+def _pairs(old: Path, new: Path) -> list[tuple[str, Path | None, Path | None]]:
+    for side, path in (("OLD", old), ("NEW", new)):
+        if not path.is_dir():
+            raise BadInput(f"{side} {path}: not a folder (give two case folders or two golden trees)")
+    old_is_case, new_is_case = bool(_golden_files(old)), bool(_golden_files(new))
+    if old_is_case and new_is_case:
+        return [(f"{display(old)} -> {display(new)}", old, new)]
+    if old_is_case != new_is_case:
+        case_side, tree_side = ("OLD", "NEW") if old_is_case else ("NEW", "OLD")
+        raise BadInput(f"{case_side} is a case folder but {tree_side} is not: give two case folders "
+                       f"(holding {NAMED_FILE}) or two golden trees")
+    old_cases, new_cases = case_folders(old), case_folders(new)
+    if not old_cases and not new_cases:
+        raise BadInput(f"no golden files under {old} or {new}: give two case folders or two golden trees")
+    return [(label, old_cases.get(label), new_cases.get(label)) for label in sorted({*old_cases, *new_cases})]
+
+
+def upgrade_named(doc: dict[str, Any]) -> dict[str, Any]:
+    """A named document of format 1 (no byte counts) as format 2 would hold it, so comparing goldens
+    from before and after the format change shows sharding changes only."""
+    if doc.get("kind") != "named" or doc.get("format_version") != 1:
+        return doc
+    tensors = {path: {**entry, "per_device_bytes": math.prod(entry["per_device_shape"])
+                      * jnp.dtype(entry["dtype"]).itemsize} for path, entry in doc["tensors"].items()}
+    totals: dict[str, int] = {}
+    for path, entry in tensors.items():
+        group = path.split("/", 1)[0]
+        totals[group] = totals.get(group, 0) + entry["per_device_bytes"]
+    totals["total"] = sum(totals.values())
+    return {**doc, "format_version": 2, "per_device_bytes": dict(sorted(totals.items())), "tensors": tensors}
+
+
+def _read(folder: Path | None) -> dict[str, dict[str, Any]]:
+    if folder is None:
+        return {}
+    return {name: upgrade_named(serialize.read_document(folder / name)) for name in _golden_files(folder)}
+
+
+def tensor_bytes(entry: dict[str, Any] | None) -> int | None:
+    return None if entry is None else entry["per_device_bytes"]
+
+
+def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
+    """Compares every golden document of one case folder pair."""
+    old_docs, new_docs = _read(old), _read(new)
+    files_only = {}
+    if old is not None and new is not None:
+        files_only = {name: ("old" if name in old_docs else "new") for name in set(old_docs) ^ set(new_docs)}
+    changes: dict[str, dict[str, tuple[Any, Any]]] = {}  # tensor -> {"file: field": (old, new)}
+    status: dict[str, str] = {}
+    header: dict[str, tuple[Any, Any]] = {}
+    for name in sorted(set(old_docs) | set(new_docs)):
+        if name in files_only:
+            continue
+        empty = {"tensors": {}}
+        found = diff.diff_documents(old_docs.get(name, empty), new_docs.get(name, empty))
+        for key, value in found.header.items():
+            if not key.startswith("per_device_bytes"):  # shown as the memory line instead
+                header.setdefault(key, value)
+        for kind, entries in (("added", found.added), ("removed", found.removed)):
+            for tensor, entry in entries.items():
+                status[tensor] = kind
+                changes.setdefault(tensor, {})[f"{name}: (entry)"] = (None, entry) if kind == "added" else (entry, None)
+        for tensor, fields in found.changed.items():
+            status.setdefault(tensor, "changed")
+            for field, values in fields.items():
+                changes.setdefault(tensor, {})[f"{name}: {field}"] = values
+    old_named, new_named = old_docs.get(NAMED_FILE), new_docs.get(NAMED_FILE)
+    rows = []
+    for tensor, (fields, slots) in diff.fold_slots(changes).items():
+        old_entry = (old_named or {}).get("tensors", {}).get(tensor)
+        new_entry = (new_named or {}).get("tensors", {}).get(tensor)
+        other = {key: values for key, values in fields.items()
+                 if key.split(": ", 1)[1] not in LAYOUT_FIELDS + ("(entry)",)}
+        rows.append(Row(tensor, slots, (old_entry or {}).get("partition_spec"), (new_entry or {}).get("partition_spec"),
+                        tensor_bytes(old_entry), tensor_bytes(new_entry), other, status[tensor]))
+    rows.sort(key=lambda r: (not r.tensor.startswith("params/"), r.tensor))
+    counts = {kind: sum(1 for s in status.values() if s == kind) for kind in ("changed", "added", "removed")}
+    old_mem = (old_named or {}).get("per_device_bytes", {})
+    new_mem = (new_named or {}).get("per_device_bytes", {})
+    memory = {group: (old_mem.get(group), new_mem.get(group)) for group in sorted({*old_mem, *new_mem})}
+    return CaseReport(label, old, new, counts, header, memory, rows, files_only)
+
+
+def compare(old: str | Path, new: str | Path) -> list[CaseReport]:
+    """Compares two case folders or two golden trees; BadInput on anything that is neither."""
+    return [compare_case(label, o, n) for label, o, n in _pairs(Path(old), Path(new))]
+
+
+# --- rendering -------------------------------------------------------------------------------------
+
+def _spec(spec: Any) -> str:
+    return "-" if spec is None else diff.compact(spec)
+
+
+def _counts_line(report: CaseReport) -> str:
+    c = report.counts
+    return f"{c['changed']} tensors changed, {c['added']} added, {c['removed']} removed"
+
+
+def _memory_changes(report: CaseReport) -> list[str]:
+    return [f"{group} {tables.format_bytes(old)} -> {tables.format_bytes(new)} ({tables.format_delta(old, new)})"
+            for group in ("params", "opt_state", "total")
+            for old, new in [report.memory.get(group, (None, None))] if old != new]
+
+
+def _row_cells(row: Row, fmt: str) -> list[str]:
+    wrap = tables.code if fmt == "markdown" else str
+    name = wrap(row.tensor) + (f" (and {', '.join(row.slots)})" if row.slots else "")
+    other = "; ".join(f"{key} {diff.compact(old)} -> {diff.compact(new)}" for key, (old, new) in sorted(row.other.items()))
+    if row.status != "changed":
+        other = row.status + (f"; {other}" if other else "")
+    return [name, wrap(_spec(row.old_spec)), wrap(_spec(row.new_spec)),
+            tables.format_bytes(row.old_bytes), tables.format_bytes(row.new_bytes), other]
+
+
+def _case_block(report: CaseReport, fmt: str) -> Iterator[str]:
+    heading = f"#### {report.label}" if fmt == "markdown" else f"== {report.label}"
+    yield heading
+    bullet = "- " if fmt == "markdown" else ""  # markdown joins plain lines into one paragraph
+    if report.status in ("added", "removed"):
+        where = report.new if report.status == "added" else report.old
+        yield f"{bullet}case {report.status} ({display(where)})"
+        return
+    yield bullet + _counts_line(report)
+    memory = _memory_changes(report)
+    if memory:
+        yield f"{bullet}memory per device: " + ", ".join(memory)
+    for key, (old, new) in sorted(report.header.items()):
+        yield f"{bullet or '  '}header {key}: {diff.compact(old)} -> {diff.compact(new)}"
+    for name, side in sorted(report.files_only.items()):
+        yield f"{bullet or '  '}{name} only in {side.upper()}"
+    if report.rows:
+        shown = report.rows[:MAX_ROWS]
+        headers = ["tensor", "old spec", "new spec", "old bytes/device", "new bytes/device", "also changed"]
+        cells = [_row_cells(row, fmt) for row in shown]
+        if not any(c[-1] for c in cells):
+            headers, cells = headers[:-1], [c[:-1] for c in cells]
+        yield ""
+        yield tables.render(headers, cells, fmt, right=(3, 4))
+        if len(report.rows) > len(shown):
+            yield f"... and {len(report.rows) - len(shown)} more tensors (--format json lists every one)"
+
+
+def _summary(reports: list[CaseReport], fmt: str) -> Iterator[str]:
+    differ = [r for r in reports if r.status != "identical"]
+    title = (f"sharding-dump diff: {len(differ)} of {len(reports)} "
+             f"{'case differs' if len(reports) == 1 else 'cases differ'}")
+    yield f"### {title}" if fmt == "markdown" else title
+    if len(reports) > 1 and differ:
+        cells = []
+        for r in differ:
+            c = r.counts
+            mem = {g: r.memory.get(g, (None, None)) for g in ("params", "opt_state")}
+            cells.append([tables.code(r.label) if fmt == "markdown" else r.label, r.status,
+                          str(c["changed"]), str(c["added"]), str(c["removed"]),
+                          *(f"{tables.format_bytes(o)} -> {tables.format_bytes(n)}" for o, n in mem.values())])
+        yield ""
+        yield tables.render(["case", "status", "changed", "added", "removed", "params/device", "opt_state/device"],
+                            cells, fmt, right=(2, 3, 4, 5, 6))
+
+
+def render_text(reports: list[CaseReport], fmt: str = "text") -> str:
+    """The report for a terminal (`text`) or a pull-request comment (`markdown`)."""
+    blocks = ["\n".join(_summary(reports, fmt))]
+    blocks += ["\n".join(_case_block(r, fmt)) for r in reports if r.status != "identical"]
+    return "\n\n".join(blocks) + "\n"
+
+
+def render_json(reports: list[CaseReport]) -> str:
+    """Every case (identical ones too) and every row, as canonical JSON."""
+    def side(path: Path | None) -> str | None:
+        return None if path is None else display(path)
+
+    doc = {
+        "differs": any(r.status != "identical" for r in reports),
+        "cases": [{
+            "case": r.label, "old": side(r.old), "new": side(r.new), "status": r.status, "counts": r.counts,
+            "header": {k: list(v) for k, v in r.header.items()},
+            "per_device_bytes": {g: {"old": o, "new": n} for g, (o, n) in r.memory.items()},
+            "files_only": r.files_only,
+            "tensors": [{"tensor": row.tensor, "slots": row.slots, "status": row.status,
+                         "old_spec": row.old_spec, "new_spec": row.new_spec,
+                         "old_per_device_bytes": row.old_bytes, "new_per_device_bytes": row.new_bytes,
+                         "other": {k: list(v) for k, v in row.other.items()}} for row in r.rows],
+        } for r in reports],
+    }
+    return serialize.canonical_bytes(doc).decode("utf-8")
+
+
+def render(reports: list[CaseReport], fmt: str) -> str:
+    """The report in one of FORMATS."""
+    return render_json(reports) if fmt == "json" else render_text(reports, fmt)

@@ -1,0 +1,67 @@
+"""Stale goldens: anything in the golden tree that no case produces (a case renamed or dropped from
+the matrix, a folder copied by hand). Left alone it would be reviewed and kept forever without being
+checked by anything.
+
+The expected paths come from the cases alone (never from what is on disk), so a scan can run while
+other processes write the goldens of those cases: it never enters a case folder, and it never
+touches a folder on the way to one.
+
+>>> import tempfile
+>>> from sharding_dump.case import Case, golden_dir
+>>> root = Path(tempfile.mkdtemp())
+>>> case = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
+>>> (golden_dir(case, root) / "named_shardings.json").parent.mkdir(parents=True)
+>>> (root / "llama2-7b/v5p-16/slice_1/rule_old").mkdir()
+>>> [p.relative_to(root).as_posix() for p in stale_paths(root, [case])]
+['llama2-7b/v5p-16/slice_1/rule_old']
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+from sharding_dump.case import Case, golden_dir
+from sharding_dump.golden import display
+
+
+def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
+    """The largest files and folders under `root` that are neither a case folder of `cases` (nor
+    inside one) nor on the way to one, in sorted order."""
+    root = Path(root)
+    expected = {golden_dir(case, root).relative_to(root).parts for case in cases}
+    on_the_way = {parts[:n] for parts in expected for n in range(1, len(parts))}
+    stale: list[Path] = []
+
+    def walk(folder: Path, parts: tuple[str, ...]) -> None:
+        for child in sorted(folder.iterdir()):
+            child_parts = parts + (child.name,)
+            if child_parts in expected:
+                continue
+            if child_parts in on_the_way and child.is_dir() and not child.is_symlink():
+                walk(child, child_parts)
+            else:
+                stale.append(child)
+
+    if root.is_dir():
+        walk(root, ())
+    return stale
+
+
+def remove(paths: Iterable[Path]) -> None:
+    """Deletes stale files and folders (whole folders: nothing in them belongs to a case)."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def report(paths: list[Path]) -> str:
+    """Names every stale path and how to remove them."""
+    lines = [f"{len(paths)} golden path{'' if len(paths) == 1 else 's'} that no case produces (stale):"]
+    lines += [f"    {display(p)}{'/' if p.is_dir() else ''}" for p in paths]
+    lines += ["A case was renamed or dropped from the case matrix, or a folder was added by hand.",
+              "Remove them with:", "    pytest --update-goldens"]
+    return "\n".join(lines)

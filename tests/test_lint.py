@@ -1,0 +1,193 @@
+"""`sharding-dump check`: every lint on real dense-model layouts, and the rule line it names."""
+
+import json
+
+import pytest
+
+from helpers import REPO
+from sharding_dump import lint, rules
+from sharding_dump.case import Case, load_matrix
+from sharding_dump.cli import main
+from sharding_dump.dump import case_layouts
+
+DEFAULT = REPO / "sharding_dump/rules/default.yml"
+
+
+def line_of(path, text):
+    """1-based line of the first line of `path` that starts with `text`."""
+    lines = path.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.startswith(text))
+
+
+def by_lint(findings):
+    out = {}
+    for f in findings:
+        out.setdefault(f.lint, []).append(f)
+    return out
+
+
+def test_clean_case_exits_0(capsys):
+    assert main(["check", "--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp"]) == 0
+    assert capsys.readouterr().out.startswith("llama2-7b/v5p-16/slice_1/rule_pure-fsdp: clean (")
+
+
+def test_every_case_of_the_matrix_is_clean_with_progress(capsys):
+    assert main(["check", "--all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    count = len(load_matrix())
+    assert [line.split(" ", 1)[0] for line in lines[:-1]] == [f"[{i}/{count}]" for i in range(1, count + 1)]
+    assert lines[-1] == f"{count} cases checked, 0 findings"
+
+
+def test_kv_heads_not_divisible_by_tensor(capsys):
+    args = ["check", "--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", "ici_tensor_parallelism=16"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    rule = f"sharding_dump/rules/default.yml:{line_of(DEFAULT, '  - [kv_heads,')}  [kv_heads, [tensor, tensor_sequence, autoregressive]]"
+    for name in ("key", "value"):
+        block = (f"  [divisibility] params/decoder/layers/self_attention/{name}/kernel (and opt_state/0/mu, opt_state/0/nu)\n"
+                 f"      dim 2 (kv_heads) of size 8 is split over tensor=16: 8 is not a multiple of 16\n"
+                 f"      rule: {rule}\n")
+        assert block in out
+    assert "2 findings" in out.splitlines()[0]  # query (16 heads) and out divide; nothing else fires
+
+
+def test_dimension_larger_than_its_split_but_not_a_multiple():
+    """151936 rows over tensor=256: every device holds 594 rows but the last shard is padded."""
+    case = Case.make("qwen3-0.6b", "tpu7x-256", "default", overrides={"ici_tensor_parallelism": "256"})
+    found = {f.subject: f for f in lint.lint_case(case) if f.lint == "divisibility"}
+    emb = found["params/token_embedder/embedding (and opt_state/0/mu, opt_state/0/nu)"]
+    assert emb.message == "dim 0 (vocab) of size 151936 is split over tensor=256: 151936 is not a multiple of 256"
+    assert emb.details == (f"rule: sharding_dump/rules/default.yml:{line_of(DEFAULT, '  - [vocab,')}  "
+                           "[vocab, [tensor, tensor_sequence, autoregressive]]",)
+    assert not any("mlp/" in name for name in found)  # 3072 = 12 x 256
+
+
+def test_product_of_several_axes_and_the_fallback_rule_that_applied():
+    """The q_lora shape of problem on a dense model: embed (1024) over fsdp x expert = 2048."""
+    case = Case.make("qwen3-0.6b", "tpu7x-2048", "default", overrides={"ici_expert_parallelism": "2"})
+    found = {f.subject.split(" ")[0]: f for f in lint.lint_case(case) if f.lint == "divisibility"}
+    first = line_of(DEFAULT, "  - [embed, [fsdp, fsdp_transpose")
+    fallback = line_of(DEFAULT, "  - [embed, [fsdp, context")
+    key = found["params/decoder/layers/self_attention/key/kernel"]
+    assert key.message == "dim 0 (embed) of size 1024 is split over fsdp=1024 x expert=2 = 2048: 1024 is not a multiple of 2048"
+    assert key.details == (f"rule: sharding_dump/rules/default.yml:{first}  "
+                           "[embed, [fsdp, fsdp_transpose, context, context_usp_ulysses, expert]]",)
+    # in the MLP `mlp` takes fsdp_transpose first, so embed falls back to its second rule
+    wi0 = found["params/decoder/layers/mlp/wi_0/kernel"]
+    assert wi0.details == (f"rule: sharding_dump/rules/default.yml:{fallback}  "
+                           "[embed, [fsdp, context, context_usp_ulysses, expert]]",)
+
+
+@pytest.mark.parametrize("case", load_matrix() + [
+    Case.make("qwen3-0.6b", "tpu7x-2048", "default", overrides={"ici_expert_parallelism": "2"}),
+    Case.make("llama2-7b", "v5p-16", "default", overrides={"ici_tensor_parallelism": "2"}),
+], ids=lambda c: c.label)
+def test_the_deciding_rule_gives_the_resolved_spec(case):
+    """Attribution replays flax's resolver: the rule it names must be the one that produced the spec."""
+    setup, layouts = case_layouts(case)
+    table = setup.rule_set.logical_axis_rules
+    for t in layouts:
+        for dim, name in enumerate(t.logical_axes):
+            index = rules.deciding_rule(t.logical_axes, table, dim)
+            resolved = t.partition_spec[dim] if dim < len(t.partition_spec) else None
+            if index is None:
+                assert resolved is None, (t.path, dim)
+            else:
+                assert rules.axes_of(table[index][1]) == rules.axes_of(resolved), (t.path, dim, table[index])
+                assert table[index][0] == name
+
+
+def no_embed_rule(tmp_path):
+    path = tmp_path / "no-embed.yml"
+    path.write_text((REPO / "sharding_dump/rules/pure-fsdp.yml").read_text().replace("  - [embed, [fsdp]]\n", "  - [embed, []]\n"))
+    return path
+
+
+def test_replicated_parameters_above_tolerance(tmp_path, capsys):
+    rule = no_embed_rule(tmp_path)
+    args = ["check", "--model", "llama2-7b", "--topology", "v5p-16", "--rule", str(rule)]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "  [replicated] parameters held whole by every device\n" in out
+    assert "96.1% of the parameter bytes (24.1 GiB of 25.1 GiB) are split over none of fsdp=8, above the 2.0% tolerance" in out
+    assert (f"      params/decoder/layers/mlp/wi_0/kernel  5.4 GiB\n"
+            f"        dim 0 (embed): {rule}:{line_of(rule, '  - [embed,')}  [embed, []]\n") in out
+    assert main(args + ["--replicated-tolerance", "97%"]) == 0
+    assert main(args + ["--replicated-tolerance", "0.95"]) == 1
+
+
+def test_an_axis_of_size_1_shards_nothing(tmp_path):
+    rule = tmp_path / "tp1.yml"
+    rule.write_text("mesh_axes: [fsdp, tensor]\nlogical_axis_rules:\n  - [embed, tensor]\n"
+                    "  - [embed_vocab, fsdp]\n  - [vocab, fsdp]\n")
+    (finding,) = lint.lint_case(Case.make("llama2-7b", "v5p-16", str(rule)))  # tensor = 1, fsdp = 8
+    assert finding.lint == "replicated" and "split over none of fsdp=8" in finding.message
+    assert f"  dim 0 (embed): {rule}:3  [embed, tensor]" in finding.details
+
+
+def test_model_card_rules_point_at_the_card():
+    setup, layouts = case_layouts(Case.make("llama2-7b", "v5p-16", "default"))
+    norm = next(t for t in layouts if t.path == "params/decoder/decoder_norm/scale")
+    card = REPO / "sharding_dump/data/models/llama2-7b.yml"
+    assert lint.dimension_rules(setup.rule_set, norm) == [
+        f"  dim 0 (norm): sharding_dump/data/models/llama2-7b.yml:{line_of(card, 'logical_axis_rules:')}  [norm, fsdp]"]
+
+
+def test_memory_above_hbm():
+    findings = by_lint(lint.lint_case(Case.make("llama2-7b", "v5e-4", "default")))
+    assert list(findings) == ["memory"]
+    (memory,) = findings["memory"]
+    assert memory.message.startswith("params 6.3 GiB + optimizer state 12.6 GiB = 18.8 GiB per device, above the "
+                                     "16.0 GiB HBM of one v5e device (118%)")
+    assert memory.details[0] == "params/decoder/layers/mlp/wi_0/kernel (with its optimizer slots)  1.3 GiB"
+    assert not lint.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
+
+
+def test_card_rule_on_a_missing_axis_and_a_logical_name_nothing_uses(tmp_path):
+    rule = tmp_path / "tp.yml"
+    rule.write_text("mesh_axes: [data, tensor]\nlogical_axis_rules:\n  - [embbed, tensor]\n"
+                    "  - [mlp, tensor]\n  - [vocab, tensor]\n  - [heads, [tensor]]\n  - [cache_batch, []]\n")
+    case = Case.make("llama2-7b", "v5p-16", str(rule),
+                     overrides={"ici_tensor_parallelism": "-1", "ici_fsdp_parallelism": "1"})
+    findings = by_lint(lint.lint_case(case))
+    (axis,) = findings["mesh-axis"]
+    card = REPO / "sharding_dump/data/models/llama2-7b.yml"
+    assert axis.subject == "[norm, fsdp]"
+    assert axis.details == (f"rule: sharding_dump/data/models/llama2-7b.yml:{line_of(card, 'logical_axis_rules:')}  [norm, fsdp]",)
+    assert "3 parameter(s) carrying 'norm' fall back" in axis.message
+    (name,) = findings["unknown-name"]  # cache_batch is a trainer axis: not reported
+    assert name.subject == "logical axis 'embbed'" and name.details == (f"rule: {rule}:3  [embbed, tensor]",)
+    assert findings["replicated"]  # every embed-like weight is replicated because of the typo
+
+
+@pytest.mark.parametrize("args,message", [
+    (["check"], "missing --model, --topology, --rule (or use --all)"),
+    (["check", "--all", "--model", "llama2-7b"], "--all checks the whole case matrix"),
+    (["check", "--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "--replicated-tolerance", "2"],
+     "--replicated-tolerance '2': must be a fraction in [0, 1]"),
+    (["check", "--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "ici_tensor_parallelism=3"],
+     "does not divide"),
+    (["show", "--all"], "unrecognized arguments: --all"),
+    (["show", "--model", "llama2-7b", "--topology", "v5p-99", "--rule", "default"], "unknown topology 'v5p-99'"),
+])
+def test_bad_input(args, message, capsys):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_show_prints_every_leaf_and_the_totals(capsys):
+    assert main(["show", "--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("llama2-7b/v5p-16/slice_1/rule_pure-fsdp: mesh fsdp=8 (8 devices)")
+    row = next(line.split() for line in lines if line.startswith("params/decoder/layers/mlp/wi_0/kernel "))
+    assert row == ["params/decoder/layers/mlp/wi_0/kernel", "[4096,32,11008]", '["embed","layers","mlp"]',
+                   '["fsdp",null,null]', "[512,32,11008]", "688.0", "MiB"]
+    golden = json.loads((REPO / "golden/llama2-7b/v5p-16/slice_1/rule_pure-fsdp/named_shardings.json").read_text())
+    assert [line.split()[0] for line in lines if line.startswith(("params/", "opt_state/", "step"))] == sorted(
+        golden["tensors"], key=lambda p: (not p.startswith("params/"), not p.startswith("opt_state/"), p))
+    assert lines[-1] == "per device: params 3.1 GiB, opt_state 6.3 GiB, step 4 Bytes; total 9.4 GiB of 95.0 GiB HBM (9.9%)"
+    assert main(["show", "--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", "--full-specs"]) == 0
+    assert '[["fsdp","context","context_usp_ulysses","expert"],"stage",' in capsys.readouterr().out

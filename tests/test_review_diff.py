@@ -1,0 +1,140 @@
+"""`sharding-dump diff`: two case folders or two golden trees, text / markdown / JSON, exit status."""
+
+import json
+import shutil
+
+import pytest
+
+from helpers import REPO, run_cli
+from sharding_dump import diff
+from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump.cli import main
+from sharding_dump.golden import check_or_update
+
+PURE_FSDP = REPO / "sharding_dump/rules/pure-fsdp.yml"
+
+
+def no_embed_rule(tmp_path, name="no-embed.yml"):
+    """pure-fsdp with `embed` left unsharded: the classic one-line regression."""
+    text = PURE_FSDP.read_text()
+    assert "  - [embed, [fsdp]]\n" in text
+    path = tmp_path / name
+    path.write_text(text.replace("  - [embed, [fsdp]]\n", "  - [embed, []]\n"))
+    return str(path)
+
+
+def dumped(case, root):
+    check_or_update(case, root, update=True)
+    return golden_dir(case, root)
+
+
+def markdown_rows(text):
+    """{first cell: cells} of every body row of every markdown table in `text`."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| tensor ") and not line.startswith("| case "):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_two_rules_markdown_names_tensors_specs_and_bytes(tmp_path, capsys):
+    old = dumped(Case.make("llama2-7b", "v5p-16", "pure-fsdp"), tmp_path / "out")
+    new = dumped(Case.make("llama2-7b", "v5p-16", no_embed_rule(tmp_path)), tmp_path / "out")
+    assert main(["diff", str(old), str(new), "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    assert "21 tensors changed, 0 added, 0 removed" in out
+    assert "memory per device: params 3.1 GiB -> 24.2 GiB (+21.1 GiB)" in out
+    rows = markdown_rows(out)
+    assert rows["`params/decoder/layers/mlp/wi_0/kernel` (and opt_state/0/mu, opt_state/0/nu)"][1:] == [
+        '`["fsdp",null,null]`', "`[null,null,null]`", "688.0 MiB", "5.4 GiB"]
+    assert len(rows) == 7 and not any("token_embedder" in name for name in rows)  # embed_vocab kept fsdp
+    assert "|---" in out or "|:--" in out  # a real table, ready to paste
+
+
+def test_command_line_exit_status(tmp_path):
+    folder = "golden/llama2-7b/v5p-16/slice_1/rule_default"
+    other = "golden/llama2-7b/v5p-16/slice_2/rule_default"
+    result = run_cli("diff", folder, other, "--format", "markdown")
+    assert result.returncode == 1 and result.stderr == ""
+    assert "- header mesh.axis_sizes: " in result.stdout and "- header case.num_slices: 1 -> 2" in result.stdout
+
+
+def test_identical_inputs_exit_0(tmp_path, capsys):
+    folder = REPO / "golden/llama2-7b/v5p-16/slice_1/rule_default"
+    assert main(["diff", str(folder), str(folder)]) == 0
+    assert "0 of 1 case differs" in capsys.readouterr().out
+    assert main(["diff", str(REPO / "golden"), str(REPO / "golden"), "--format", "markdown"]) == 0
+
+
+def test_golden_trees_paired_by_case(tmp_path, capsys):
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO / "golden", tree)
+    # same folder as the shipped pure-fsdp case, different layout
+    dumped(Case.make("llama2-7b", "v5p-16", no_embed_rule(tmp_path, "pure-fsdp.yml")), tree)
+    dumped(Case.make("qwen3-0.6b", "v5p-16", "pure-fsdp"), tree)  # a new case
+    shutil.rmtree(golden_dir(load_matrix()[-1], tree))  # a case gone
+    assert main(["diff", str(REPO / "golden"), str(tree), "--format", "json"]) == 1
+    first = capsys.readouterr().out
+    doc = json.loads(first)
+    status = {c["case"]: c["status"] for c in doc["cases"]}
+    assert status.pop("llama2-7b/v5p-16/slice_1/rule_pure-fsdp") == "changed"
+    assert status.pop("qwen3-0.6b/v5p-16/slice_1/rule_pure-fsdp") == "added"
+    assert status.pop(load_matrix()[-1].label) == "removed"
+    assert set(status.values()) == {"identical"} and len(status) == len(load_matrix()) - 2
+    changed = next(c for c in doc["cases"] if c["status"] == "changed")
+    assert changed["counts"] == {"added": 0, "changed": 21, "removed": 0}
+    wi0 = next(t for t in changed["tensors"] if t["tensor"] == "params/decoder/layers/mlp/wi_0/kernel")
+    assert (wi0["old_spec"], wi0["new_spec"]) == (["fsdp", None, None], [None, None, None])
+    assert (wi0["old_per_device_bytes"], wi0["new_per_device_bytes"]) == (721420288, 5771362304)
+    assert wi0["slots"] == ["opt_state/0/mu", "opt_state/0/nu"]
+    main(["diff", str(REPO / "golden"), str(tree), "--format", "json"])
+    assert capsys.readouterr().out == first  # deterministic
+    assert main(["diff", str(REPO / "golden"), str(tree)]) == 1
+    text = capsys.readouterr().out
+    assert text.startswith(f"sharding-dump diff: 3 of {len(load_matrix()) + 1} cases differ")
+    assert "case added" in text and "case removed" in text
+
+
+def test_goldens_of_the_previous_format_compare_by_content(tmp_path, capsys):
+    """A checkout of main from before per-device bytes were recorded diffs clean against today's."""
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "golden", old)
+    for path in old.rglob("named_shardings.json"):
+        doc = json.loads(path.read_text())
+        doc["format_version"] = 1
+        del doc["per_device_bytes"]
+        for entry in doc["tensors"].values():
+            del entry["per_device_bytes"]
+        path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    assert main(["diff", str(old), str(REPO / "golden")]) == 0
+    assert capsys.readouterr().out.startswith("sharding-dump diff: 0 of")
+
+
+def test_documents_with_no_tensor_in_common_are_reported_per_tensor():
+    old = {"kind": "named", "tensors": {f"params/a{i}": {"shape": [i]} for i in range(5)}}
+    new = {"kind": "named", "tensors": {f"params/b{i}": {"shape": [i]} for i in range(5)}}
+    found = diff.diff_documents(old, new)
+    assert sorted(found.removed) == sorted(old["tensors"]) and sorted(found.added) == sorted(new["tensors"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["diff", "/no/such/old", "golden"], "OLD /no/such/old: not a folder"),
+    (["diff", "golden/llama2-7b/v5p-16/slice_1/rule_default", "golden"], "OLD is a case folder but NEW is not"),
+    (["diff", "sharding_dump/rules", "sharding_dump/rules"], "no golden files under"),
+    (["diff", "golden", "golden", "--format", "html"], "invalid choice: 'html'"),
+    (["diff", "golden"], "the following arguments are required: NEW"),
+])
+def test_bad_input(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_broken_golden_file_is_bad_input(tmp_path, capsys):
+    folder = tmp_path / "case"
+    shutil.copytree(REPO / "golden/llama2-7b/v5p-16/slice_1/rule_default", folder)
+    (folder / "named_shardings.json").write_text('{"kind": "named"')
+    assert main(["diff", str(folder), str(folder)]) == 2
+    assert "named_shardings.json: not valid JSON" in capsys.readouterr().err

@@ -1,0 +1,90 @@
+"""Stale goldens: reported with their paths, failing the run the same way with and without
+pytest-xdist, and removed (by one process) under --update-goldens."""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+from sharding_dump import stale
+from sharding_dump.case import Case, golden_dir
+
+CASE_ARGS = [("llama2-7b", "v5p-16", "pure-fsdp", 1), ("llama2-7b", "v5p-16", "default", 1),
+             ("qwen3-0.6b", "a3", "default", 2)]
+CASES = [Case.make(*args) for args in CASE_ARGS]
+
+
+def make_project(root):
+    """A tiny project that uses the plugin: three cases whose golden folders exist, plus stale ones."""
+    (root / "pytest.ini").write_text("[pytest]\n")
+    (root / "conftest.py").write_text('pytest_plugins = ["sharding_dump.pytest_plugin"]\n')
+    (root / "test_tree.py").write_text(textwrap.dedent(f"""\
+        import pytest
+        from sharding_dump.case import Case
+
+        CASES = [Case.make(*args) for args in {CASE_ARGS!r}]
+
+        def test_no_stale_goldens(sharding_golden):
+            sharding_golden.check_stale(CASES)
+
+        @pytest.mark.parametrize("n", range(4))
+        def test_other(n):
+            pass
+    """))
+    for case in CASES:
+        folder = golden_dir(case, root / "golden")
+        folder.mkdir(parents=True)
+        (folder / "named_shardings.json").write_text("{}\n")
+    extra = root / "golden/llama2-7b/v5p-16/slice_1/rule_extra"
+    extra.mkdir()
+    (extra / "named_shardings.json").write_text("{}\n")
+    (root / "golden/gone-model/v5p-16/slice_1/rule_default").mkdir(parents=True)
+    (root / "golden/llama2-7b/notes.txt").write_text("x\n")
+    return ["golden/gone-model/", "golden/llama2-7b/notes.txt", "golden/llama2-7b/v5p-16/slice_1/rule_extra/"]
+
+
+def run_pytest(root, *args):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def failure_block(output):
+    """The stale report as pytest printed it (from the count line to the fix)."""
+    match = re.search(r"^\d+ golden paths? that no case produces.*?^    pytest --update-goldens$", output, re.M | re.S)
+    return match.group(0) if match else None
+
+
+def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(tmp_path):
+    stale_paths = make_project(tmp_path)
+    serial = run_pytest(tmp_path)
+    parallel = run_pytest(tmp_path, "-n", "2")
+    assert serial.returncode == parallel.returncode == 1, serial.stdout + parallel.stdout
+    report = failure_block(serial.stdout)
+    assert report is not None, serial.stdout
+    assert report.splitlines()[1:4] == [f"    {p}" for p in stale_paths]
+    assert failure_block(parallel.stdout) == report
+    assert "FAILED test_tree.py::test_no_stale_goldens" in serial.stdout
+    assert "FAILED test_tree.py::test_no_stale_goldens" in parallel.stdout
+    assert "1 failed, 4 passed" in serial.stdout and "1 failed, 4 passed" in parallel.stdout
+
+    updated = run_pytest(tmp_path, "-n", "2", "--update-goldens")
+    assert updated.returncode == 0, updated.stdout
+    assert not any((tmp_path / p.rstrip("/")).exists() for p in stale_paths)
+    for case in CASES:
+        assert (golden_dir(case, tmp_path / "golden") / "named_shardings.json").is_file()
+    assert stale.stale_paths(tmp_path / "golden", CASES) == []  # the next run passes
+
+
+def test_stale_paths_are_the_largest_unclaimed_ones(tmp_path):
+    cases = CASES
+    assert stale.stale_paths(tmp_path / "missing", cases) == []
+    for case in cases:
+        golden_dir(case, tmp_path).mkdir(parents=True)
+        (golden_dir(case, tmp_path) / "stray.tmp").write_text("")  # inside a case folder: not ours to judge
+    (tmp_path / "qwen3-0.6b/a3/slice_1").mkdir()
+    (tmp_path / "README.md").write_text("")
+    found = [p.relative_to(tmp_path).as_posix() for p in stale.stale_paths(tmp_path, cases)]
+    assert found == ["README.md", "qwen3-0.6b/a3/slice_1"]
+    stale.remove(stale.stale_paths(tmp_path, cases))
+    assert stale.stale_paths(tmp_path, cases) == []
+    assert all(golden_dir(c, tmp_path).is_dir() for c in cases)
