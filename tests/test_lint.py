@@ -191,3 +191,17 @@ def test_show_prints_every_leaf_and_the_totals(capsys):
     assert lines[-1] == "per device: params 3.1 GiB, opt_state 6.3 GiB, step 4 Bytes; total 9.4 GiB of 95.0 GiB HBM (9.9%)"
     assert main(["show", "--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", "--full-specs"]) == 0
     assert '[["fsdp","context","context_usp_ulysses","expert"],"stage",' in capsys.readouterr().out
+
+
+def test_deepseek3_q_lora_and_kv_lora_cannot_split_over_fsdp_times_expert(capsys):
+    """fsdp=128 x expert=8 = 1024 devices share the low-rank dims: q_lora 1536 and kv_lora 512 do not divide."""
+    args = ["check", "--model", "deepseek3-671b", "--topology", "tpu7x-2048", "--rule", "default",
+            "ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "ici_expert_parallelism=8"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    q_line = line_of(DEFAULT, "  - [q_lora,")
+    assert ("params/decoder/moe_layers/self_attention/wq_b/kernel (and opt_state/0/mu, opt_state/0/nu)\n"
+            "      dim 0 (q_lora) of size 1536 is split over fsdp=128 x expert=8 = 1024: "
+            "1536 is not a multiple of 1024\n"
+            f"      rule: sharding_dump/rules/default.yml:{q_line}") in out
+    assert "dim 0 (kv_lora) of size 512 is split over fsdp=128 x expert=8 = 1024" in out
