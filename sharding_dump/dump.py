@@ -16,6 +16,7 @@ from typing import Any
 
 from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.case import Case
+from sharding_dump.models.pipeline import plan_pipeline
 from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.topology import Topology, load_topology
 
@@ -45,6 +46,8 @@ def setup_case(case: Case) -> CaseSetup:
     plan = plan_mesh(rule_set, topology, values, explicit)
     config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
     rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
+    pipeline = plan_pipeline(values, plan, rule_set, config.pipelined_stack_layers)
+    config = dataclasses.replace(config, pipeline=pipeline)
     return CaseSetup(case, topology, rule_set, values, plan, config)
 
 

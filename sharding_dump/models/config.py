@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import MODELS_DIR, load_yaml, validate
+
+if TYPE_CHECKING:
+    from sharding_dump.models.pipeline import PipelineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +41,16 @@ class ModelConfig:
     # Run settings, not from the card.
     weight_dtype: str = "float32"
     dtype: str = "bfloat16"
+    pipeline: PipelineConfig | None = None  # pipeline parallelism over `stage` (models/pipeline.py)
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.emb_dim // self.num_query_heads
+
+    @property
+    def pipelined_stack_layers(self) -> int:
+        """Length of the layer stack a pipeline cuts into stages."""
+        return self.num_decoder_layers
 
 
 def model_names() -> list[str]:
