@@ -99,7 +99,7 @@ def plan_pipeline(values: Mapping[str, Any], plan: "MeshPlan", rule_set: rules_m
         given = [f"{key}={values[key]}" for key, default in zip(PIPELINE_SETTINGS, (-1, 1, -1))
                  if values[key] != default]
         if given:
-            where = (f"the 'stage' mesh axis is 1" if STAGE_AXIS in plan.axis_names
+            where = ("the 'stage' mesh axis is 1" if STAGE_AXIS in plan.axis_names
                      else f"rule '{rule_set.name}' has no 'stage' mesh axis (mesh_axes: {', '.join(plan.axis_names)})")
             raise BadInput(f"{given[0]}: needs a pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism > 1), "
                            f"but {where}")
