@@ -2,7 +2,15 @@
 
 `jax.eval_shape` runs the model's `init` and `optax.adamw(...).init` without allocating or compiling
 anything; flax's partition boxes survive into the optimizer moments, so every leaf keeps its logical
-axes. :func:`tensor_layouts` resolves them to physical PartitionSpecs on the case's mesh.
+axes. Two ways to get each leaf's physical layout on the case's mesh:
+
+* auto (:func:`tensor_layouts`): the logical axes resolved by the rules;
+* explicit (:func:`explicit_tensor_layouts`): the state traced again on an Explicit-axis mesh, the
+  parameters placed by the rules, everything else left to JAX's sharding-in-types, and each leaf's
+  sharding read from the traced output.
+
+With ZeRO-1 (`shard_optimizer_over_data`), AdamW's moments are also split over `data`
+(:func:`over_data`).
 
 >>> from sharding_dump import models
 >>> state = abstract_state(models.load_config("qwen3-0.6b"))
@@ -14,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -26,6 +34,8 @@ from sharding_dump import models, rules
 from sharding_dump.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
+MOMENTS = ("mu", "nu")  # AdamW's per-parameter slots, under opt_state/<index>/
+DATA_AXIS = "data"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +100,23 @@ def _key_text(entry: Any) -> str:
     raise TypeError(f"unexpected pytree key {entry!r}")
 
 
+def path_text(key_path: Sequence[Any]) -> str:
+    """A pytree key path as the '/'-joined path the goldens use (a box's `value` is not a level)."""
+    return "/".join(_key_text(k) for k in key_path if not isinstance(k, jax.tree_util.GetAttrKey)
+                    or k.name not in ("value",))
+
+
+def is_moment(path: str) -> bool:
+    """True for an AdamW moment leaf: `opt_state/<index>/mu/...` or `.../nu/...`."""
+    parts = path.split("/")
+    return len(parts) > 3 and parts[0] == "opt_state" and parts[2] in MOMENTS
+
+
 def leaves(state: dict[str, Any]) -> list[tuple[str, jax.ShapeDtypeStruct, tuple[str | None, ...]]]:
     """(path, abstract array, logical axes) for every leaf, paths '/'-joined, in path order."""
     out = []
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box):
-        path = "/".join(_key_text(k) for k in key_path if not isinstance(k, jax.tree_util.GetAttrKey)
-                        or k.name not in ("value",))
+        path = path_text(key_path)
         if _is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
@@ -118,14 +139,89 @@ def per_device_totals(layouts: list[TensorLayout]) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
-def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet) -> list[TensorLayout]:
-    """Resolves every leaf's logical axes to a NamedSharding on the plan's abstract mesh."""
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
+    """ZeRO-1: `spec` with `data` added as the outermost mesh axis of the first dimension that still
+    splits evenly over it, so each data-parallel replica keeps (and updates) a slice of the moments.
+    Unchanged when `data` is already used or no dimension splits evenly."""
+    entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
+    if any(DATA_AXIS in _entry_axes(e) for e in entries):
+        return spec
+    for dim, (size, entry) in enumerate(zip(shape, entries)):
+        axes = _entry_axes(entry)
+        shards = math.prod(sizes[a] for a in axes)
+        if size % shards == 0 and (size // shards) % sizes[DATA_AXIS] == 0:
+            entries[dim] = (DATA_AXIS,) + axes if axes else DATA_AXIS
+            return PartitionSpec(*entries)
+    return spec
+
+
+def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
+                   optimizer_over_data: bool = False) -> list[TensorLayout]:
+    """Auto mode: resolves every leaf's logical axes to a NamedSharding on the plan's abstract mesh
+    (AdamW moments also over `data` with `optimizer_over_data`)."""
     mesh = plan.abstract_mesh()
     sizes = plan.sizes
     out = []
     for path, array, logical in leaves(state):
         spec = rules.to_mesh_axes(logical, rule_set.logical_axis_rules)
+        if optimizer_over_data and is_moment(path):
+            spec = over_data(spec, array.shape, sizes)
         sharding = NamedSharding(mesh, spec)
         out.append(TensorLayout(path, tuple(array.shape), jnp.dtype(array.dtype).name, logical,
                                 sharding.spec, sizes))
     return out
+
+
+def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
+                   optimizer_over_data: bool = False) -> dict[str, Any]:
+    """The boxed state traced on the plan's Explicit-axis abstract mesh: every leaf carries the sharding
+    JAX gives it. Parameters are placed by the rules (`jax.sharding.reshard`: flax's init cannot run
+    under an Explicit mesh); the optimizer state follows from them by sharding-in-types, except that
+    ZeRO-1 reshards the moments over `data`."""
+    model = models.build_model(cfg)
+    tx = optimizer()
+    mesh = plan.abstract_mesh(explicit=True)
+
+    def place(box: nn.Partitioned) -> nn.Partitioned:
+        spec = rules.to_mesh_axes(box.names, rule_set.logical_axis_rules)
+        return box.replace_boxed(jax.sharding.reshard(box.value, NamedSharding(mesh, spec)))
+
+    def moment_over_data(key_path: Any, leaf: Any) -> Any:
+        if not (_is_box(leaf) and is_moment(path_text(key_path))):
+            return leaf
+        value = leaf.value
+        spec = over_data(jax.typeof(value).sharding.spec, value.shape, plan.sizes)
+        return leaf.replace_boxed(jax.sharding.reshard(value, NamedSharding(mesh, spec)))
+
+    def init(key: jax.Array) -> dict[str, Any]:
+        tokens = jnp.zeros(INIT_SHAPE, jnp.int32)
+        params = jax.tree.map(place, model.init(key, tokens, tokens)["params"], is_leaf=_is_box)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        if optimizer_over_data:
+            state = jax.tree_util.tree_map_with_path(moment_over_data, state, is_leaf=_is_box)
+        return state
+
+    key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.eval_shape(init, key)
+
+
+def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
+                            optimizer_over_data: bool = False) -> list[TensorLayout]:
+    """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs
+    (a scalar JAX leaves unannotated is replicated)."""
+    out = []
+    for path, array, logical in leaves(explicit_state(cfg, plan, rule_set, optimizer_over_data)):
+        spec = array.sharding.spec if array.sharding is not None else PartitionSpec()
+        out.append(TensorLayout(path, tuple(array.shape), jnp.dtype(array.dtype).name, logical,
+                                spec, plan.sizes))
+    return out
+
+
+def indivisible(layouts: Sequence[TensorLayout]) -> list[tuple[TensorLayout, int]]:
+    """(leaf, dimension) pairs whose size does not split evenly over the dimension's mesh axes."""
+    return [(t, dim) for t in layouts for dim, size in enumerate(t.shape) if size % t.shards(dim)]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sharding_dump import cli
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -20,3 +22,23 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under `root`, by relative path."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def cli_args(text: str) -> list[str]:
+    """The words of a dump command, with a default model, topology and rule."""
+    words = text.split()
+    for flag, default in (("--model", "llama2-7b"), ("--topology", "v5p-8"), ("--rule", "default")):
+        if flag not in words:
+            words = [flag, default] + words
+    return words
+
+
+def assert_bad_input(tmp_path, capsys, args: str, message: str) -> None:
+    """The CLI (in-process) exits 2 with one line holding `message` and writes nothing."""
+    out = tmp_path / "out"
+    status = cli.main(cli_args(args) + ["--output-dir", str(out)])
+    captured = capsys.readouterr()
+    assert status == 2, f"exit status {status}, stderr {captured.err!r}"
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("sharding-dump: error: ") and message in captured.err, captured.err
+    assert not out.exists()

@@ -15,7 +15,7 @@ def test_dump_one_case(tmp_path):
     assert result.returncode == 0, result.stderr
     folder = tmp_path / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp"
     named = json.loads((folder / "named_shardings.json").read_text())
-    assert named["mesh"] == {"axis_names": ["fsdp"], "axis_sizes": [8]}
+    assert named["mesh"] == {"axis_names": ["fsdp"], "axis_sizes": [8], "shard_mode": "auto"}
     assert named["tensors"]["params/decoder/layers/mlp/wi_0/kernel"]["partition_spec"] == ["fsdp", None, None]
     assert (folder / "named_shardings.json").read_bytes() == (REPO / "golden" / folder.relative_to(tmp_path)
                                                               / "named_shardings.json").read_bytes()

@@ -31,12 +31,28 @@ def test_clean_case_exits_0(capsys):
     assert capsys.readouterr().out.startswith("llama2-7b/v5p-16/slice_1/rule_pure-fsdp: clean (")
 
 
-def test_every_case_of_the_matrix_is_clean_with_progress(capsys):
-    assert main(["check", "--all"]) == 0
+# Matrix cases whose findings are true and intended: ZeRO-1 on v5p-8 uses data=2 x stage=2, so no
+# device is left for fsdp and the embeddings (3.9% of parameter bytes) are whole on every device.
+EXPECTED_FINDINGS = {
+    "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_ici_pipeline_parallelism=2_"
+    "num_pipeline_microbatches=8_shard_optimizer_over_data=true": "replicated",
+    "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_ici_pipeline_parallelism=2_"
+    "num_pipeline_microbatches=8_shard_optimizer_over_data=true_shard_mode=explicit": "replicated",
+}
+
+
+def test_every_case_of_the_matrix_is_clean_but_the_known_ones_with_progress(capsys):
+    assert main(["check", "--all"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    count = len(load_matrix())
-    assert [line.split(" ", 1)[0] for line in lines[:-1]] == [f"[{i}/{count}]" for i in range(1, count + 1)]
-    assert lines[-1] == f"{count} cases checked, 0 findings"
+    cases = load_matrix()
+    progress = [line for line in lines if line.startswith("[")]
+    assert [line.split(" ", 1)[0] for line in progress] == [f"[{i}/{len(cases)}]" for i in range(1, len(cases) + 1)]
+    for case, line in zip(cases, progress):
+        expected = EXPECTED_FINDINGS.get(case.label)
+        assert line.split(" ", 1)[1].startswith(f"{case.label}: {'1 finding' if expected else 'clean'} ("), line
+    found = [line.strip().split("]")[0] + "]" for line in lines if line.startswith("  [")]
+    assert found == [f"[{lint}]" for lint in EXPECTED_FINDINGS.values()]
+    assert lines[-1] == f"{len(cases)} cases checked, {len(EXPECTED_FINDINGS)} findings"
 
 
 def test_kv_heads_not_divisible_by_tensor(capsys):
@@ -91,6 +107,10 @@ def test_the_deciding_rule_gives_the_resolved_spec(case):
         for dim, name in enumerate(t.logical_axes):
             index = rules.deciding_rule(t.logical_axes, table, dim)
             resolved = t.partition_spec[dim] if dim < len(t.partition_spec) else None
+            if setup.values["shard_optimizer_over_data"] and ("/mu/" in t.path or "/nu/" in t.path):
+                # ZeRO-1 adds `data` to the moments on top of what the rules decide.
+                kept = tuple(a for a in rules.axes_of(resolved) if a != "data")
+                resolved = kept[0] if len(kept) == 1 else (kept or None)
             if index is None:
                 assert resolved is None, (t.path, dim)
             else:

@@ -103,7 +103,7 @@ def test_golden_schema_rejects_bad_document():
     with pytest.raises(BadInput, match="field tensors/params/x: 'per_device_shape' is a required property"):
         check_document({"format_version": 1, "kind": "named",
                         "case": {"model": "m", "topology": "t", "num_slices": 1, "rule": "r", "overrides": {}},
-                        "mesh": {"axis_names": ["fsdp"], "axis_sizes": [8]},
+                        "mesh": {"axis_names": ["fsdp"], "axis_sizes": [8], "shard_mode": "auto"},
                         "tensors": {"params/x": {"shape": [8], "dtype": "float32", "partition_spec": ["fsdp"]}}},
                        "doc")
     assert json.dumps(None) == "null"

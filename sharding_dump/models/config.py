@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import MODELS_DIR, load_yaml, validate
+
+if TYPE_CHECKING:
+    from sharding_dump.models.pipeline import PipelineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class ModelConfig:
     # Run settings, not from the card.
     weight_dtype: str = "float32"
     dtype: str = "bfloat16"
+    pipeline: PipelineConfig | None = None  # pipeline parallelism over `stage` (models/pipeline.py)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -81,6 +85,12 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_decoder_layers - self.first_num_dense_layers
+
+    @property
+    def pipelined_stack_layers(self) -> int:
+        """Length of the layer stack a pipeline cuts into stages (the MoE stack of a model with leading
+        dense layers; scanned blocks, not layers, for models that cycle layer kinds)."""
+        return (self.num_decoder_layers - self.first_num_dense_layers) // self.inhomogeneous_layer_cycle_interval
 
 
 def model_names() -> list[str]:

@@ -12,6 +12,8 @@ Parameter tree (what the goldens see)::
     decoder/layers/{pre,post}_self_attention_layer_norm/scale  (norm, layers)
     decoder/decoder_norm/scale                    (norm)
     decoder/logits_dense/kernel                   (embed_vocab, vocab)      [untied embeddings]
+
+With pipeline parallelism the layer stack is cut into stages (see models/pipeline.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import jax.numpy as jnp
 
 from sharding_dump.activations import constrain
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope, scan_layers
+from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope
+from sharding_dump.models.pipeline import apply_layer_stack
 
 BLE = ("activation_batch", "activation_norm_length", "activation_embed")
 
@@ -91,7 +94,7 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The scanned layer stack, final norm and output projection."""
+    """The layer stack (scanned or pipelined), final norm and output projection."""
 
     cfg: ModelConfig
     shared_embedding: Embed | None = None
@@ -99,8 +102,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        stack = scan_layers(DecoderLayer, cfg.num_decoder_layers, "layers")
-        x, _ = stack(cfg, name="layers")(x, positions)
+        x = apply_layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers, x, positions, name="layers")
         x = RMSNorm(cfg, name="decoder_norm")(x)
         if self.shared_embedding is not None:
             logits = self.shared_embedding.attend(x)

@@ -1,0 +1,263 @@
+"""Pipeline parallelism over the `stage` mesh axis, for any decoder's scanned layer stack.
+
+With `ici_pipeline_parallelism` x `dcn_pipeline_parallelism` = N > 1 stages, the first
+`pipeline_parallel_layers` layers (all by default) are cut into N stages, each repeated
+`num_pipeline_repeats` = R times round the ring (circular pipelining); each stage scans its
+L / (N R) layers. The batch is cut into `num_pipeline_microbatches` = M microbatches that move through
+the stages one iteration at a time. Layers left over run after the pipeline as a plain scan, with
+`stage` acting as one more data axis for their activations.
+
+Weights (what the goldens see): every stacked weight gets the stage at axis 0, named `layers` (mapped
+to `stage` by the rules), the repeat before it, named `circular_repeats`, and the layers of one stage at
+the usual scan position, named `layers_per_stage`::
+
+    decoder/layers/stages/mlp/wi_0/kernel  [R,] N, embed, L/(N R), mlp
+                                           ([circular_repeats,] layers, embed, layers_per_stage, mlp)
+
+Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
+
+* stage 0 reads microbatch t from `state_io` [N, M/N, ...] (or, on a later repeat, from the circular
+  storage [N, M, ...], or straight from the shift when M = N); stage s > 0 reads the shift;
+* every stage runs its layers at once (vmap over the stage axis, `spmd_axis_name="stage"`), with the
+  weights of the repeat it is on;
+* the outputs move one stage on: a `jax.lax.ppermute` ring shift inside `jax.shard_map` over `stage`;
+  `state_io` moves one stage back the same way, the last stage's output entering at the end.
+
+All stage buffers are constrained with `activation_stage` at axis 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from sharding_dump import rules as rules_mod
+from sharding_dump.activations import constrain
+from sharding_dump.errors import BadInput
+from sharding_dump.models.layers import scan_layers
+
+if TYPE_CHECKING:
+    from sharding_dump.mesh import MeshPlan
+    from sharding_dump.models.config import ModelConfig
+
+STAGE_AXIS = "stage"  # the mesh axis
+STAGE_LOGICAL = "layers"  # the logical name of a weight's stage dimension
+REPEAT_LOGICAL = "circular_repeats"
+LAYERS_PER_STAGE_LOGICAL = "layers_per_stage"
+STAGE_BUFFER_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
+PIPELINE_SETTINGS = ("num_pipeline_microbatches", "num_pipeline_repeats", "pipeline_parallel_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """A validated pipeline schedule (build it with :func:`plan_pipeline`)."""
+
+    num_stages: int
+    num_microbatches: int
+    num_repeats: int
+    num_layers: int  # layers inside the pipeline
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // (self.num_stages * self.num_repeats)
+
+    @property
+    def microbatches_per_stage(self) -> int:
+        return self.num_microbatches // self.num_stages
+
+    @property
+    def num_iterations(self) -> int:
+        """Until the last microbatch of the last repeat has left the last stage."""
+        return self.num_microbatches * self.num_repeats + self.num_stages - 1
+
+    @property
+    def uses_circular_storage(self) -> bool:
+        """With more microbatches than stages, a microbatch waits between repeats in a buffer."""
+        return self.num_repeats > 1 and self.num_microbatches > self.num_stages
+
+    def check_batch(self, global_batch: int) -> None:
+        """BadInput unless the batch splits into the microbatches."""
+        if global_batch % self.num_microbatches:
+            raise BadInput(f"num_pipeline_microbatches={self.num_microbatches}: does not divide the global batch "
+                           f"of {global_batch}")
+
+
+def plan_pipeline(values: Mapping[str, Any], plan: "MeshPlan", rule_set: rules_mod.RuleSet,
+                  num_layers: int) -> PipelineConfig | None:
+    """The pipeline of a case (None when the `stage` axis is 1), or BadInput naming the setting at fault.
+
+    `num_layers` is the length of the stack the decoder pipelines (all of a dense model's layers)."""
+    stages = plan.sizes.get(STAGE_AXIS, 1)
+    micro, repeats, layers = (int(values[key]) for key in PIPELINE_SETTINGS)
+    if stages == 1:
+        given = [f"{key}={values[key]}" for key, default in zip(PIPELINE_SETTINGS, (-1, 1, -1))
+                 if values[key] != default]
+        if given:
+            where = ("the 'stage' mesh axis is 1" if STAGE_AXIS in plan.axis_names
+                     else f"rule '{rule_set.name}' has no 'stage' mesh axis (mesh_axes: {', '.join(plan.axis_names)})")
+            raise BadInput(f"{given[0]}: needs a pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism > 1), "
+                           f"but {where}")
+        return None
+    for logical in (STAGE_LOGICAL, "activation_stage"):
+        spec = rules_mod.to_mesh_axes((logical,), rule_set.logical_axis_rules)
+        if spec[0] not in (STAGE_AXIS, (STAGE_AXIS,)):
+            raise BadInput(f"rule '{rule_set.name}': a pipeline needs logical axis '{logical}' on mesh axis 'stage' "
+                           f"(got {spec[0]!r})")
+    if micro == -1:
+        micro = stages
+    if micro < 1 or micro % stages:
+        raise BadInput(f"num_pipeline_microbatches={micro}: must be a multiple of the {stages} pipeline stages")
+    if layers == -1:
+        layers = num_layers
+    if not 1 <= layers <= num_layers:
+        raise BadInput(f"pipeline_parallel_layers={layers}: must be -1 (all) or between 1 and the model's "
+                       f"{num_layers} layers")
+    if layers % (stages * repeats):
+        what = "pipeline_parallel_layers" if values["pipeline_parallel_layers"] != -1 else "the model's layers"
+        raise BadInput(f"{what} ({layers}) must be divisible by stages x repeats = {stages} x {repeats}"
+                       f" (set pipeline_parallel_layers to a multiple of {stages * repeats})")
+    return PipelineConfig(stages, micro, repeats, layers)
+
+
+def stage_as_data(rules: rules_mod.Rules) -> rules_mod.Rules:
+    """Rules for layers outside the pipeline: `stage` is dropped everywhere and inserted just before
+    `data` wherever `data` appears, so those layers split their batch over the stages too."""
+    out = []
+    for name, axes in rules:
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a != STAGE_AXIS)
+        if "data" in axes:
+            at = axes.index("data")
+            axes = axes[:at] + (STAGE_AXIS,) + axes[at:]
+        out.append((name, axes))
+    return tuple(out)
+
+
+def _stacked_stages(layer: type[nn.Module], pp: PipelineConfig) -> type[nn.Module]:
+    """The weight holder: a stage's scanned layers, vmapped over stages (and repeats)."""
+    stacked = nn.vmap(scan_layers(layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL),
+                      variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0),
+                      metadata_params={nn.PARTITION_NAME: STAGE_LOGICAL})
+    if pp.num_repeats > 1:
+        stacked = nn.vmap(stacked, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0),
+                          metadata_params={nn.PARTITION_NAME: REPEAT_LOGICAL})
+    return stacked
+
+
+def _ring_shift(x: jax.Array, offset: int, num_stages: int) -> jax.Array:
+    """Moves block s of `x` (axis 0, one block per stage) to stage (s + offset) mod N: a ppermute
+    over the `stage` axis inside shard_map, every other mesh axis left to the partitioner."""
+    perm = [(s, (s + offset) % num_stages) for s in range(num_stages)]
+    return jax.shard_map(functools.partial(jax.lax.ppermute, axis_name=STAGE_AXIS, perm=perm),
+                         in_specs=PartitionSpec(STAGE_AXIS), out_specs=PartitionSpec(STAGE_AXIS),
+                         axis_names={STAGE_AXIS})(x)
+
+
+def _stage_ids(num_stages: int, ndim: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (num_stages,) + (1,) * (ndim - 1), 0)
+
+
+def _select_repeat(weights: Any, repeat_ids: jax.Array) -> Any:
+    """[R, N, ...] weights -> [N, ...]: stage s takes the weights of repeat `repeat_ids[s]`."""
+    pick = jax.vmap(lambda w, r: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False),
+                    in_axes=(1, 0), spmd_axis_name=STAGE_AXIS)
+    return jax.tree.map(lambda w: pick(w, repeat_ids), weights)
+
+
+def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Array], jax.Array], weights: Any,
+                 x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Runs `stage_fn(stage weights, inputs, positions)` over the pipeline schedule; x: [batch, length, embed]."""
+    n, m, k, r = pp.num_stages, pp.num_microbatches, pp.microbatches_per_stage, pp.num_repeats
+    pp.check_batch(x.shape[0])
+    micro_shape = (x.shape[0] // m,) + x.shape[1:]
+    state_io = constrain(x.reshape((n, k) + micro_shape), (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:],
+                         "pipeline_state_io")
+    micro_positions = positions.reshape((m, micro_shape[0]) + positions.shape[1:])
+    shift = constrain(jnp.zeros((n,) + micro_shape, x.dtype), STAGE_BUFFER_AXES, "pipeline_shift")
+    circ = None
+    if pp.uses_circular_storage:
+        circ = constrain(jnp.zeros((n, m) + micro_shape, x.dtype), (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:],
+                         "pipeline_circular_storage")
+    stage_ids = _stage_ids(n, shift.ndim)
+    stage_run = jax.vmap(stage_fn, spmd_axis_name=STAGE_AXIS)
+
+    def iteration(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
+        state_io, shift, circ = carry
+        column = jax.lax.dynamic_index_in_dim(state_io, t % k, axis=1, keepdims=False)
+        first = column
+        if circ is not None:
+            # shift[0] holds the last stage's output of microbatch (t - N) mod M: park it until its next repeat.
+            circ = jax.lax.dynamic_update_index_in_dim(circ, shift, (t - n) % m, axis=1)
+            circ = constrain(circ, (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:], "pipeline_circular_storage")
+            first = jnp.where(t < m, column, jax.lax.dynamic_index_in_dim(circ, t % m, axis=1, keepdims=False))
+        elif r > 1:
+            first = jnp.where(t < m, column, shift)
+        inputs = constrain(jnp.where(stage_ids == 0, first, shift), STAGE_BUFFER_AXES, "pipeline_stage_inputs")
+        ages = t - jnp.arange(n)  # microbatch-steps each stage is into the schedule
+        stage_positions = jnp.take(micro_positions, ages % m, axis=0)
+        stage_weights = weights if r == 1 else _select_repeat(weights, jnp.clip(ages // m, 0, r - 1))
+        outputs = constrain(stage_run(stage_weights, inputs, stage_positions), STAGE_BUFFER_AXES,
+                            "pipeline_stage_outputs")
+        shift = constrain(_ring_shift(outputs, 1, n), STAGE_BUFFER_AXES, "pipeline_shift")
+        column = jnp.where(stage_ids == n - 1, outputs, _ring_shift(column, -1, n))
+        state_io = jax.lax.dynamic_update_index_in_dim(state_io, column, t % k, axis=1)
+        state_io = constrain(state_io, (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:], "pipeline_state_io")
+        return (state_io, shift, circ), None
+
+    (state_io, _, _), _ = jax.lax.scan(iteration, (state_io, shift, circ), jnp.arange(pp.num_iterations))
+    # Microbatch a*K + b left the last stage into column (b + N - 1) mod K and was shifted back to stage a.
+    return jnp.roll(state_io, -(n - 1), axis=1).reshape(x.shape)
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+class Pipeline(nn.Module):
+    """`layer` stacked into the stages of `cfg.pipeline`; (x, positions) -> x."""
+
+    cfg: "ModelConfig"
+    layer: type[nn.Module]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        pp = self.cfg.pipeline
+        lead = (pp.num_repeats, pp.num_stages) if pp.num_repeats > 1 else (pp.num_stages,)
+        if self.is_initializing():
+            # Creates the stacked weights; the schedule itself only runs in apply.
+            stages = _stacked_stages(self.layer, pp)(self.cfg, name="stages")
+            stages(jnp.broadcast_to(x, lead + x.shape), jnp.broadcast_to(positions, lead + positions.shape))
+            return x
+        # Reading a boxed weight applies its logical constraint, as flax does for self.param.
+        weights = jax.tree.map(lambda b: b.unbox() if _is_box(b) else b, self.variables["params"]["stages"],
+                               is_leaf=_is_box)
+        stage_stack = scan_layers(self.layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL)(self.cfg)
+
+        def stage_fn(stage_weights: Any, inputs: jax.Array, stage_positions: jax.Array) -> jax.Array:
+            return stage_stack.apply({"params": stage_weights}, inputs, stage_positions)[0]
+
+        return run_pipeline(pp, stage_fn, weights, x, positions)
+
+
+def apply_layer_stack(cfg: "ModelConfig", layer: type[nn.Module], num_layers: int, x: jax.Array,
+                      positions: jax.Array, name: str = "layers") -> jax.Array:
+    """`num_layers` copies of `layer` over x, scanned, or pipelined when `cfg.pipeline` is set.
+
+    Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`
+    (and `<name>_outside_pipeline` for the layers the pipeline leaves out)."""
+    pp = cfg.pipeline
+    if pp is None:
+        x, _ = scan_layers(layer, num_layers, "layers")(cfg, name=name)(x, positions)
+        return x
+    x = Pipeline(cfg, layer, name=name)(x, positions)
+    rest = num_layers - pp.num_layers
+    if rest:
+        with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
+            x, _ = scan_layers(layer, rest, "layers")(cfg, name=f"{name}_outside_pipeline")(x, positions)
+    return x

@@ -1,0 +1,76 @@
+"""Runs a small decoder pipelined and plain on 4 CPU devices and prints how far their logits differ.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/pipeline_equivalence.py
+
+The pipeline's weights, reordered into one scanned stack (repeat, then stage, then layer within the
+stage; the layers left outside the pipeline last), must give the plain model's logits exactly: the
+schedule (state_io, circular storage, ppermute shifts) only moves activations, it never changes the
+arithmetic. One JSON line per schedule: {"schedule": [...], "max_abs_diff": x, "ppermute": bool}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+SCHEDULES = (  # (stages, microbatches, repeats, pipelined layers, model layers)
+    (2, 4, 1, 4, 4),  # plain GPipe-style
+    (2, 8, 2, 4, 6),  # circular with storage (M > N), two layers outside the pipeline
+    (4, 4, 2, 8, 8),  # circular, M = N: the last stage feeds the first straight through the shift
+)
+RULES = (("layers", "stage"), ("activation_stage", "stage"), ("embed", "fsdp"), ("activation_batch", "fsdp"))
+
+
+def max_difference(stages: int, microbatches: int, repeats: int, pipelined: int, layers: int) -> dict:
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sharding_dump import models
+    from sharding_dump.models.pipeline import PipelineConfig
+
+    plain = dataclasses.replace(models.load_config("qwen3-0.6b"), emb_dim=16, num_query_heads=2, num_kv_heads=1,
+                                head_dim=8, mlp_dim=32, num_decoder_layers=layers, vocab_size=64, dtype="float32")
+    piped = dataclasses.replace(plain, pipeline=PipelineConfig(stages, microbatches, repeats, pipelined))
+    mesh = jax.make_mesh((stages, 4 // stages), ("stage", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, plain.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    pipe_model, plain_model = models.build_model(piped), models.build_model(plain)
+    # Random weights from numpy: compiling flax's init costs more than the whole comparison.
+    shapes = nn.unbox(jax.eval_shape(pipe_model.init, jax.random.key(0), tokens, positions)["params"])
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.3, a.shape), a.dtype), shapes)
+
+    lead = 2 if repeats > 1 else 1  # [R,] N leading dims of every pipeline weight
+
+    def as_scan(w: jax.Array) -> jax.Array:  # [R,] N, a, L/(N R), ... -> a, L, ...
+        w = jnp.moveaxis(w, tuple(range(lead)), tuple(range(1, lead + 1)))
+        return w.reshape((w.shape[0], -1) + w.shape[lead + 2:])
+
+    decoder = dict(params["decoder"])
+    stack = jax.tree.map(as_scan, decoder.pop("layers")["stages"])
+    if "layers_outside_pipeline" in decoder:
+        stack = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), stack,
+                             decoder.pop("layers_outside_pipeline"))
+    plain_params = {**params, "decoder": {**decoder, "layers": stack}}
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        got = jax.jit(pipe_model.apply)({"params": params}, tokens, positions)
+        traced = str(jax.make_jaxpr(pipe_model.apply)({"params": params}, tokens, positions))
+    want = jax.jit(plain_model.apply)({"params": plain_params}, tokens, positions)
+    return {"schedule": [stages, microbatches, repeats, pipelined, layers],
+            "max_abs_diff": float(jnp.max(jnp.abs(got - want))), "scale": float(jnp.max(jnp.abs(want))),
+            "ppermute": "ppermute" in traced}
+
+
+def main() -> None:
+    import jax
+
+    assert jax.device_count() == 4, "set XLA_FLAGS=--xla_force_host_platform_device_count=4"
+    for schedule in SCHEDULES:
+        print(json.dumps(max_difference(*schedule)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

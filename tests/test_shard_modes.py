@@ -1,0 +1,93 @@
+"""Explicit sharding mode and ZeRO-1: explicit equals auto, moments on `data`, the header's mode."""
+
+import json
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import REPO, assert_bad_input
+from sharding_dump import state
+from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump.dump import dump_case, setup_case
+from sharding_dump.errors import BadInput
+from sharding_dump.serialize import check_document
+
+MATRIX = load_matrix()
+SETUPS = {case.label: setup_case(case) for case in MATRIX}
+ZERO1_CASES = [c for c in MATRIX if SETUPS[c.label].values["shard_optimizer_over_data"]]
+AUTO_CASES = [c for c in MATRIX if not SETUPS[c.label].explicit]
+EXPLICIT_CASES = [c for c in MATRIX if SETUPS[c.label].explicit]
+
+
+def with_overrides(case: Case, **overrides) -> Case:
+    return Case.make(case.model, case.topology, case.rule, case.num_slices, {**dict(case.overrides), **overrides})
+
+
+def spec_axes(entry) -> list:
+    return [] if entry is None else [entry] if isinstance(entry, str) else entry
+
+
+def test_matrix_has_explicit_and_zero1_cases():
+    assert len(EXPLICIT_CASES) == 2 and len(ZERO1_CASES) == 2
+
+
+@pytest.mark.parametrize("case", AUTO_CASES, ids=lambda c: c.label)
+def test_explicit_mode_gives_the_auto_layout(case):
+    """Every case of the matrix, traced on an Explicit-axis mesh, has the same tensors as in auto mode."""
+    auto = dump_case(case)
+    explicit = dump_case(with_overrides(case, shard_mode="explicit"))
+    for name in auto:
+        assert explicit[name]["mesh"]["shard_mode"] == "explicit" and auto[name]["mesh"]["shard_mode"] == "auto"
+        assert explicit[name]["tensors"] == auto[name]["tensors"], name
+
+
+@pytest.mark.parametrize("case", EXPLICIT_CASES, ids=lambda c: c.label)
+def test_explicit_golden_equals_its_auto_twin(case):
+    twin = Case.make(case.model, case.topology, case.rule, case.num_slices,
+                     {k: v for k, v in case.overrides if k != "shard_mode"})
+    assert twin in MATRIX
+    for name in ("named_shardings.json", "logical_shardings.json"):
+        explicit, auto = (json.loads((golden_dir(c, REPO / "golden") / name).read_text()) for c in (case, twin))
+        assert explicit["mesh"]["shard_mode"] == "explicit" and auto["mesh"]["shard_mode"] == "auto"
+        assert explicit["tensors"] == auto["tensors"], name
+
+
+@pytest.mark.parametrize("case", ZERO1_CASES, ids=lambda c: c.label)
+def test_zero1_moments_on_data_params_not(case):
+    tensors = dump_case(case)["named_shardings.json"]["tensors"]
+    moments = [p for p in tensors if state.is_moment(p)]
+    params = [p for p in tensors if p.startswith("params/")]
+    assert len(moments) == 2 * len(params) > 0
+    for path in moments:
+        assert any("data" in spec_axes(e) for e in tensors[path]["partition_spec"]), path
+    for path in params:
+        assert not any("data" in spec_axes(e) for e in tensors[path]["partition_spec"]), path
+
+
+def test_over_data_takes_the_first_evenly_split_dimension():
+    sizes = {"data": 2, "stage": 2, "fsdp": 4, "tensor": 1}
+    assert state.over_data(P("stage", "fsdp", None), (2, 4096, 16), sizes) == P("stage", ("data", "fsdp"), None)
+    assert state.over_data(P(None,), (3,), sizes) == P(None,)  # nothing splits evenly: unchanged
+    assert state.over_data(P("data"), (8,), sizes) == P("data")
+    assert state.over_data(P(), (6, 8), sizes) == P("data", None)
+
+
+BAD = [
+    ("--rule pure-fsdp shard_optimizer_over_data=true", "shard_optimizer_over_data=true: rule 'pure-fsdp' has no 'data'"),
+    ("shard_mode=implicit", "shard_mode='implicit': must be one of auto, explicit"),
+    ("--model qwen3-0.6b --topology v5p-16 ici_pipeline_parallelism=8 pipeline_parallel_layers=24 shard_mode=explicit",
+     "shard_mode=explicit: params/decoder/layers_outside_pipeline/mlp/wi_0/kernel dimension 1 (size 4) does not "
+     "split evenly over stage (8 shards)"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[a for a, _ in BAD])
+def test_bad_shard_settings_are_one_line(tmp_path, capsys, args, message):
+    assert_bad_input(tmp_path, capsys, args, message)
+
+
+def test_header_schema_knows_the_modes():
+    doc = json.loads((golden_dir(MATRIX[0], REPO / "golden") / "named_shardings.json").read_text())
+    doc["mesh"]["shard_mode"] = "implicit"
+    with pytest.raises(BadInput, match="field mesh/shard_mode"):
+        check_document(doc, "doc")
