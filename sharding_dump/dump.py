@@ -15,6 +15,7 @@ import functools
 from typing import Any
 
 from sharding_dump import models, rules, serialize, settings, state
+from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.topology import Topology, load_topology
@@ -33,6 +34,7 @@ class CaseSetup:
     values: dict[str, Any]  # effective settings
     plan: MeshPlan
     config: models.ModelConfig
+    batch: BatchPlan
 
 
 def setup_case(case: Case) -> CaseSetup:
@@ -45,7 +47,8 @@ def setup_case(case: Case) -> CaseSetup:
     plan = plan_mesh(rule_set, topology, values, explicit)
     config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
     rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
-    return CaseSetup(case, topology, rule_set, values, plan, config)
+    batch = plan_batch(rule_set, plan, values)
+    return CaseSetup(case, topology, rule_set, values, plan, config, batch)
 
 
 @functools.lru_cache(maxsize=16)
