@@ -2,7 +2,8 @@
 
 deepdiff finds the differences; this module only groups them by tensor and field and prints the
 whole old and new value of each changed field (a partition spec is read as a whole, not as the one
-list item deepdiff points at).
+list item deepdiff points at). Entries that only mirror another one are folded under it: optimizer
+slots under their parameter, a backward activation under its forward one, when they changed alike.
 
 >>> old = {"kind": "named", "tensors": {"params/w": {"shape": [8], "partition_spec": ["fsdp"]}}}
 >>> new = {"kind": "named", "tensors": {"params/w": {"shape": [8], "partition_spec": [None]}}}
@@ -27,6 +28,7 @@ MAX_TENSORS = 60  # per file in one report; the rest is counted
 class DocumentDiff:
     """Differences between a golden document (old) and a fresh dump (new)."""
 
+    kind: str = ""
     header: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     changed: dict[str, dict[str, tuple[Any, Any]]] = dataclasses.field(default_factory=dict)
     added: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -52,7 +54,7 @@ def _deepdiff(old: Any, new: Any) -> DeepDiff:
 
 def diff_documents(old: Mapping[str, Any], new: Mapping[str, Any]) -> DocumentDiff:
     """Groups deepdiff's findings by tensor and field (and header field)."""
-    out = DocumentDiff()
+    out = DocumentDiff(kind=str(new.get("kind", old.get("kind", ""))))
     old_t, new_t = old.get("tensors", {}), new.get("tensors", {})
     for path in _top_keys(_deepdiff(old_t, new_t)):
         name = path[0]
@@ -93,10 +95,14 @@ def _plural(n: int, word: str) -> str:
 
 
 def slot_parameter(name: str) -> tuple[str, str] | None:
-    """`opt_state/0/mu/x/y` -> ('params/x/y', 'opt_state/0/mu'): an optimizer slot of a parameter."""
+    """The entry `name` mirrors, and how to call it when folded under that entry:
+    `opt_state/0/mu/x/y` -> ('params/x/y', 'opt_state/0/mu'), an optimizer slot of a parameter;
+    `backward/m/a` -> ('forward/m/a', 'backward'), the gradient of an activation."""
     parts = name.split("/")
     if len(parts) > 3 and parts[0] == "opt_state" and parts[2] in ("mu", "nu"):
         return "params/" + "/".join(parts[3:]), "/".join(parts[:3])
+    if len(parts) > 1 and parts[0] == "backward":
+        return "forward/" + "/".join(parts[1:]), "backward"
     return None
 
 
@@ -116,14 +122,16 @@ def fold_slots(changed: dict[str, Any]) -> dict[str, tuple[Any, list[str]]]:
 
 
 def format_diff(file_name: str, diff: DocumentDiff, limit: int = MAX_TENSORS) -> str:
-    """The report of one file: a count line, then one block per changed tensor (parameters first,
-    their optimizer slots folded in when they changed the same way)."""
-    lines = [f"{file_name}: {_plural(len(diff.changed), 'tensor')} changed, "
+    """The report of one file: a count line, then one block per changed tensor (parameters and
+    forward activations first, their optimizer slots / backward mirrors folded in when they changed
+    the same way)."""
+    noun = "activation" if diff.kind == "activations" else "tensor"
+    lines = [f"{file_name}: {_plural(len(diff.changed), noun)} changed, "
              f"{len(diff.added)} added, {len(diff.removed)} removed"]
     for key, (old, new) in sorted(diff.header.items()):
         lines.append(f"  header {key}  golden {compact(old)}  now {compact(new)}")
     folded = fold_slots(diff.changed)
-    order = sorted(folded, key=lambda n: (not n.startswith("params/"), n))
+    order = sorted(folded, key=lambda n: (not n.startswith(("params/", "forward/")), n))
     shown = 0
     for name in order[:limit]:
         fields, slots = folded[name]
@@ -141,5 +149,5 @@ def format_diff(file_name: str, diff: DocumentDiff, limit: int = MAX_TENSORS) ->
             lines.append(f"  {label} {name}  {compact(entries[name])}")
             shown += 1
     if rest > 0:
-        lines.append(f"  ... and {rest} more tensors")
+        lines.append(f"  ... and {rest} more {noun}s")
     return "\n".join(lines)

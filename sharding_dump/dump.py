@@ -3,7 +3,7 @@
 >>> from sharding_dump.case import Case
 >>> docs = dump_case(Case.make("qwen3-0.6b", "tpu7x-16", "pure-fsdp"))
 >>> sorted(docs)
-['logical_shardings.json', 'named_shardings.json']
+['activation_shardings.json', 'logical_shardings.json', 'named_shardings.json']
 >>> docs["named_shardings.json"]["tensors"]["params/token_embedder/embedding"]["partition_spec"]
 [None, 'fsdp']
 """
@@ -14,7 +14,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from sharding_dump import models, rules, serialize, settings, state
+from sharding_dump import models, rules, serialize, settings, state, train_step
+from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import plan_pipeline
@@ -24,6 +25,7 @@ from sharding_dump.topology import Topology, load_topology
 
 NAMED_FILE = "named_shardings.json"
 LOGICAL_FILE = "logical_shardings.json"
+ACTIVATIONS_FILE = "activation_shardings.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class CaseSetup:
     values: dict[str, Any]  # effective settings
     plan: MeshPlan
     config: models.ModelConfig
+    batch: BatchPlan
 
     @property
     def explicit(self) -> bool:
@@ -58,7 +61,8 @@ def setup_case(case: Case) -> CaseSetup:
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
-    setup = CaseSetup(case, topology, rule_set, values, plan, config)
+    batch = plan_batch(rule_set, plan, values)
+    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch)
     if setup.explicit:
         _check_even_splits(setup)
     return setup
@@ -122,7 +126,29 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     return {
         NAMED_FILE: serialize.document("named", named_head, named),
         LOGICAL_FILE: serialize.document("logical", head, logical),
+        ACTIVATIONS_FILE: serialize.document("activations", {**head, "batch": setup.batch.header()},
+                                             activation_entries(setup)),
     }
+
+
+def activation_entries(setup: CaseSetup) -> dict[str, dict[str, Any]]:
+    """One entry per activation constraint of the traced training step, keyed `<pass>/<module>/<name>`."""
+    constraints = train_step.trace_activations(setup.config, _abstract_state(setup.config), setup.plan,
+                                               setup.rule_set, setup.batch, state.optimizer())
+    entries = {}
+    for c in constraints:
+        layout = state.TensorLayout(c.key, c.shape, c.dtype, c.logical_axes, c.partition_spec, setup.plan.sizes)
+        entries[c.key] = {
+            "module": c.module,
+            "name": c.name,
+            "pass": c.pass_,
+            "shape": list(c.shape),
+            "dtype": c.dtype,
+            "logical_axes": list(c.logical_axes),
+            "partition_spec": serialize.spec_to_json(c.partition_spec, len(c.shape)),
+            "per_device_shape": list(layout.per_device_shape),
+        }
+    return entries
 
 
 def render_case(case: Case) -> dict[str, bytes]:

@@ -36,6 +36,8 @@ def test_dump_one_case(tmp_path):
     ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "ici_fsdp_parallelism"],
     ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp", "ici_expert_parallelism=2"],
     ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "--num-slices", "0"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "per_device_batch_size=0.3"],
+    ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default", "max_target_length=0"],
     ["--all", "--model", "llama2-7b"],
     ["--model", "llama2-7b"],
     ["list", "galaxies"],

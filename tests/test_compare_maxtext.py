@@ -117,3 +117,16 @@ def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_reference_activations_appear_in_our_activation_golden(case):
+    """Every reference input_shardings.json entry with known logical axes appears in our activation
+    dump with the same shape, dtype, logical axes and (size-1 mesh axes dropped) partition spec."""
+    from sharding_dump import reference, serialize
+
+    expected = reference.load_reference(reference_root() / case / "input_shardings.json")
+    ours = serialize.read_document(our_folder(case) / "activation_shardings.json")
+    result = reference.compare(expected, ours)
+    assert result.mismatches == [] and result.ok
+    assert result.checked == 21, result  # MaxText's 29 entries less its 8 with unknown axes

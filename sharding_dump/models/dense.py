@@ -14,6 +14,10 @@ Parameter tree (what the goldens see)::
     decoder/logits_dense/kernel                   (embed_vocab, vocab)      [untied embeddings]
 
 With pipeline parallelism the layer stack is cut into stages (see models/pipeline.py).
+
+Activations are constrained through `sharding_dump.activations.constrain` at MaxText's points (layer
+input, both norms, attention inputs/q/k/v/output and result, MLP hidden and output, layer output,
+logits), so the traced step carries the constraints a training run does.
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         head_dim = cfg.resolved_head_dim
-        x = constrain(x, ("activation_batch_attn", "activation_length", "activation_embed"), "inputs_q")
-        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), name="query")(x)
-        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x)
-        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x)
+        x_q = constrain(x, ("activation_batch_attn", "activation_length", "activation_embed"), "inputs_q")
+        x_kv = constrain(x, ("activation_batch_attn", "activation_length", "activation_embed"), "inputs_kv")
+        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), name="query")(x_q)
+        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
+        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
         if cfg.use_qk_norm:
             q = RMSNorm(cfg, name="query_norm")(q)
             k = RMSNorm(cfg, name="key_norm")(k)
@@ -85,11 +90,11 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         x = constrain(x, BLE, "layer_input")
-        h = RMSNorm(self.cfg, name="pre_self_attention_layer_norm")(x)
-        h = Attention(self.cfg, name="self_attention")(h, positions)
+        h = constrain(RMSNorm(self.cfg, name="pre_self_attention_layer_norm")(x), BLE, "pre_attention_norm")
+        h = constrain(Attention(self.cfg, name="self_attention")(h, positions), BLE, "attention_result")
         x = constrain(x + h, BLE, "attention_residual")
-        h = RMSNorm(self.cfg, name="post_self_attention_layer_norm")(x)
-        h = MlpBlock(self.cfg, self.cfg.mlp_dim, name="mlp")(h)
+        h = constrain(RMSNorm(self.cfg, name="post_self_attention_layer_norm")(x), BLE, "post_attention_norm")
+        h = constrain(MlpBlock(self.cfg, self.cfg.mlp_dim, name="mlp")(h), BLE, "mlp_output")
         return constrain(x + h, BLE, "layer_output"), None
 
 

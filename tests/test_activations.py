@@ -1,0 +1,196 @@
+"""Activation shardings: the recording helper, the traced step, the golden report, the batch settings."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+from helpers import REPO
+from sharding_dump import activations, rules, state, train_step
+from sharding_dump.activations import constrain
+from sharding_dump.case import Case
+from sharding_dump.dump import _abstract_state, render_case, setup_case
+from sharding_dump.errors import BadInput
+from sharding_dump.golden import check_or_update
+
+
+def trace(case: Case):
+    setup = setup_case(case)
+    st = _abstract_state(setup.config)
+    closed, rec = train_step.trace_step(setup.config, st, setup.plan, setup.rule_set, setup.batch, state.optimizer())
+    return setup, st, closed, rec
+
+
+@pytest.fixture(scope="module")
+def qwen_trace():
+    return trace(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"ici_tensor_parallelism": 4}))
+
+
+def test_every_constraint_left_out_is_a_parameter_read(qwen_trace):
+    """Flax's constraints on parameters as they are read carry no marker; nothing else may lack one."""
+    setup, st, closed, rec = qwen_trace
+    params = set()
+    for path, array, _ in state.leaves(st):
+        if path.startswith("params/"):
+            shape = tuple(array.shape)
+            params.add((shape, array.dtype.name))
+            if "/layers/" in path:  # read inside the scanned body: the layer axis (1) is sliced off
+                params.add((shape[:1] + shape[2:], array.dtype.name))
+    unrecorded = activations.unrecorded_constraints(closed)
+    for shape, dtype, stack in unrecorded:
+        assert (shape, dtype) in params, f"constraint at {stack} is neither recorded nor a parameter read"
+    assert len(unrecorded) > 20 and len(activations.read_constraints(closed, rec)) > 30
+
+
+def test_constraints_forward_backward_and_rule_resolution(qwen_trace):
+    setup, _, closed, rec = qwen_trace
+    found = {c.key: c for c in activations.read_constraints(closed, rec)}
+    batch, length = setup.batch.shape
+    heads, head_dim = setup.config.num_query_heads, setup.config.resolved_head_dim
+    assert found["forward/decoder/layers/self_attention/query"].shape == (batch, length, heads, head_dim)
+    assert found["forward/decoder/logits"].shape == (batch, length, setup.config.vocab_size)
+    forward = {k.split("/", 1)[1]: c for k, c in found.items() if c.pass_ == "forward"}
+    backward = {k.split("/", 1)[1]: c for k, c in found.items() if c.pass_ == "backward"}
+    # Every float activation (inside the scanned, rematerialised layer too) is constrained on the way
+    # back as well; the integer batch is not.
+    assert set(backward) == {k for k, c in forward.items() if c.dtype == "bfloat16"}
+    assert {k for k, c in forward.items() if c.dtype == "int32"} == set(train_step.BATCH_FIELDS)
+    for key, c in found.items():
+        assert c.partition_spec == rules.to_mesh_axes(c.logical_axes, setup.rule_set.logical_axis_rules), key
+        assert c.dtype in ("bfloat16", "int32"), key
+    assert forward["decoder/layers/mlp/mlp_hidden"].partition_spec[2] == ("tensor", "tensor_sequence")
+
+
+def test_recording_is_scoped_to_one_trace():
+    x = jnp.ones((4, 8))
+    with nn.logical_axis_rules((("b", None),)):
+        constrain(x, ("b", None), "outside")  # no recording: just the constraint
+        with activations.recording() as first:
+            constrain(x, ("b", None), "inside")
+        with activations.recording() as second:
+            pass
+    assert [s.name for s in first.sites] == ["inside"] and second.sites == []
+    assert first.token != second.token
+    with pytest.raises(ValueError, match="2 logical axes for a rank-1 array"):
+        constrain(jnp.ones(3), ("b", None), "bad")
+    with pytest.raises(ValueError, match="activation name 'a/b'"):
+        constrain(x, ("b", None), "a/b")
+
+
+@jax.jit
+def _cached_helper(y):
+    return constrain(y, ("b", None), "cached")
+
+
+def test_a_cached_trace_from_another_recording_is_refused():
+    """jit caches traces across cases (with the old rules' shardings): that must fail, not mislead."""
+    mesh = AbstractMesh((2,), ("fsdp",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules((("b", "fsdp"),)):
+        with activations.recording() as rec:
+            closed = jax.make_jaxpr(_cached_helper)(x)
+        assert [c.key for c in activations.read_constraints(closed, rec)] == ["forward/cached"]
+        with activations.recording() as rec:
+            closed = jax.make_jaxpr(_cached_helper)(x)
+        with pytest.raises(RuntimeError, match="marker of another trace"):
+            activations.read_constraints(closed, rec)
+
+
+RULES = (("act_batch", "data"), ("act_embed", "fsdp"))
+MESH = AbstractMesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+BE = ("act_batch", "act_embed")
+
+
+@jax.custom_vjp
+def _doubled(x):
+    return constrain(x * 2.0, BE, "custom_fwd")
+
+
+_doubled.defvjp(lambda x: (_doubled(x), None), lambda _, g: (constrain(g * 2.0, BE, "custom_bwd"),))
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.ones, ("act_embed",)), (x.shape[-1],))
+        x = constrain(x * w, BE, "scanned")
+        x = jax.jit(lambda y: constrain(jnp.sin(y), BE, "jitted"))(x)
+        x = jax.lax.cond(x.sum() > 0, lambda y: constrain(y * 2, BE, "branch"), lambda y: y, x)
+        return x, None
+
+
+class _Nested(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = _doubled(x * self.param("scale", nn.initializers.ones, (x.shape[-1],)))
+        x = jax.shard_map(lambda y: constrain(jnp.tanh(y), (None, "act_embed"), "in_shard_map"), mesh=MESH,
+                          in_specs=P("data"), out_specs=P("data"), axis_names={"data"})(x)
+        stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(nn.broadcast,), length=3, metadata_params={nn.PARTITION_NAME: "layers"})
+        return stack(name="layers")(x, None)[0].sum()
+
+
+def test_nested_jaxprs_custom_vjp_shard_map_scan_remat_jit_cond():
+    model = _Nested()
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    with jax.sharding.use_abstract_mesh(MESH), nn.logical_axis_rules(RULES), activations.recording() as rec:
+        closed = jax.make_jaxpr(jax.grad(lambda p, x: model.apply({"params": p}, x)))(params, x)
+    found = {c.key: c.partition_spec for c in activations.read_constraints(closed, rec)}
+    assert found == {
+        "forward/custom_fwd": P("data", "fsdp"), "backward/custom_bwd": P("data", "fsdp"),
+        "forward/in_shard_map": P(None, "fsdp"), "backward/in_shard_map": P(None, "fsdp"),
+        **{f"{p}/layers/{n}": P("data", "fsdp") for p in ("forward", "backward") for n in ("scanned", "jitted", "branch")},
+    }
+
+
+def test_same_case_twice_and_either_order_same_bytes():
+    a = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
+    b = Case.make("qwen3-0.6b", "tpu7x-16", "default")
+    a1, b1 = render_case(a), render_case(b)
+    b2, a2 = render_case(b), render_case(a)
+    assert a1 == a2 and b1 == b2
+    golden = REPO / "golden/llama2-7b/v5p-16/slice_1/rule_pure-fsdp/activation_shardings.json"
+    assert a1["activation_shardings.json"] == golden.read_bytes()
+
+
+def test_changed_activation_batch_rule_names_the_activations(tmp_path):
+    """A user's copy of default.yml with activation_batch unsharded fails with the activations named."""
+    rule = tmp_path / "default.yml"
+    text = (REPO / "sharding_dump/rules/default.yml").read_text()
+    line = "  - [activation_batch, [data, fsdp, fsdp_transpose, expert]]\n"
+    assert line in text
+    rule.write_text(text.replace(line, "  - [activation_batch, []]\n"))
+    outcome = check_or_update(Case.make("llama2-7b", "v5p-16", str(rule)), REPO / "golden", update=False)
+    assert outcome.status == "differs"
+    report = outcome.report
+    assert "named_shardings.json" not in report and "logical_shardings.json" not in report
+    assert "activation_shardings.json: 18 activations changed, 0 added, 0 removed" in report
+    assert "  forward/decoder/layers/layer_input  (and backward)\n" in report
+    assert ('partition_spec    golden [["data","fsdp","fsdp_transpose","expert"],'
+            '["tensor_sequence","context","context_usp_ulysses"],"tensor"]  '
+            'now [null,["tensor_sequence","context","context_usp_ulysses"],"tensor"]') in report
+    assert "per_device_shape  golden [12,2048,4096]  now [96,2048,4096]" in report
+    assert "forward/decoder/layers/self_attention/query" not in report  # activation_kv_batch: unchanged
+
+
+def test_activation_schema_rejects_bad_entries():
+    from sharding_dump.serialize import check_document
+    doc = {
+        "format_version": 1, "kind": "activations",
+        "case": {"model": "m", "topology": "t", "num_slices": 1, "rule": "r", "overrides": {}},
+        "mesh": {"axis_names": ["fsdp"], "axis_sizes": [8], "shard_mode": "auto"},
+        "batch": {"per_device_batch_size": 1, "global_batch_size": 8, "max_target_length": 4,
+                  "data_pipeline_spec": ["fsdp", None]},
+        "tensors": {"forward/x": {"module": "", "name": "x", "pass": "forward", "shape": [8, 4], "dtype": "int32",
+                                  "logical_axes": ["b", None], "partition_spec": ["fsdp", None],
+                                  "per_device_shape": [1, 4]}},
+    }
+    check_document(doc, "doc")
+    del doc["tensors"]["forward/x"]["pass"]
+    with pytest.raises(BadInput, match="field tensors/forward/x: 'pass' is a required property"):
+        check_document(doc, "doc")
+    doc["tensors"] = {"sideways/x": {}}
+    with pytest.raises(BadInput, match="field tensors"):
+        check_document(doc, "doc")

@@ -1,0 +1,87 @@
+"""The reference comparison: a MaxText-format input_shardings.json against our activation golden.
+
+The reference entries below are written by hand, the way MaxText prints them (its own scope names,
+Python tuple / P(...) strings, size-1 mesh axes dropped), from the default rule file on a 2048-device
+slice with fsdp=512 and tensor=4: they are an independent expectation of what the dump must hold.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from sharding_dump import reference, serialize
+from sharding_dump.errors import BadInput
+
+CASE = "llama2-7b/tpu7x-2048/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_tensor_parallelism=4"
+BLE = "('activation_batch', 'activation_norm_length', 'activation_embed')"
+KV = "('activation_kv_batch', 'activation_length', 'activation_kv_heads', 'activation_kv_head_dim')"
+REFERENCE = {"Activation Sharding Dump": [
+    {"llama2/inputs: bfloat16[24576,2048,4096]": {"logic_axes": BLE, "PartitionSpec": "P('fsdp', None, 'tensor')"}},
+    {"attention/query: bfloat16[24576,2048,32,128]": {"logic_axes": KV, "PartitionSpec": "P('fsdp', None, 'tensor', None)"}},
+    {"attention_op/arr: int32[2048]": {"logic_axes": "Unknown", "PartitionSpec": "P(None,)"}},
+    {"linears/x: bfloat16[24576,2048,11008]": {
+        "logic_axes": "('activation_batch', 'activation_length', 'activation_mlp')", "PartitionSpec": "P('fsdp', None, 'tensor')"}},
+    {"decoder/logits: bfloat16[24576,2048,32000]": {
+        "logic_axes": "('activation_embed_and_logits_batch', 'activation_length', 'activation_vocab')",
+        "PartitionSpec": "P('fsdp', None, 'tensor')"}},
+]}
+
+
+@pytest.fixture
+def ours():
+    return serialize.read_document(REPO / "golden" / CASE / "activation_shardings.json")
+
+
+def test_hand_written_reference_matches_the_dense_golden(ours):
+    result = reference.compare(reference.parse_reference(REFERENCE, "ref"), ours)
+    assert (result.ok, result.checked, result.unknown) == (True, 4, 1), result.mismatches
+
+
+def test_mismatches_are_named(ours):
+    entries = json.loads(json.dumps(REFERENCE))["Activation Sharding Dump"]
+    entries[0]["llama2/inputs: bfloat16[24576,2048,4096]"]["PartitionSpec"] = "P('fsdp', None, None)"
+    entries.append({"moe/inputs: bfloat16[24576,2048,7168]": {"logic_axes": BLE, "PartitionSpec": "P('fsdp', None, None)"}})
+    result = reference.compare(reference.parse_reference(entries, "ref"), ours)
+    assert result.mismatches == [
+        "llama2/inputs: bfloat16[24576, 2048, 4096] logical ['activation_batch', 'activation_norm_length', "
+        "'activation_embed']: partition spec reference [\"fsdp\", null, null], ours [\"fsdp\", null, \"tensor\"] "
+        "(forward/decoder/layers/attention_residual and 15 more; size-1 mesh axes dropped)",
+        "moe/inputs: bfloat16[24576, 2048, 7168] logical ['activation_batch', 'activation_norm_length', "
+        "'activation_embed']: no activation with this shape, dtype and logical axes",
+    ]
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"x": 1}, "expected a list"),
+    ([{"a: bfloat16[2]": {"logic_axes": "Unknown"}}], "item 0"),
+    ([{"a: bfloat16[2]": {"logic_axes": "('x',", "PartitionSpec": "P(None,)"}}], "is not a Python literal"),
+    ([{"a: bfloat16[2]": {"logic_axes": "Unknown", "PartitionSpec": "None"}}], "is not P"),
+])
+def test_bad_reference(data, message):
+    with pytest.raises(BadInput, match=message):
+        reference.parse_reference(data, "ref")
+
+
+def test_tool_compares_trees_and_exits_by_result(tmp_path):
+    ref_root, golden_root = tmp_path / "ref", tmp_path / "golden"
+    (ref_root / CASE).mkdir(parents=True)
+    (ref_root / CASE / "input_shardings.json").write_text(json.dumps(REFERENCE))
+    (golden_root / CASE).mkdir(parents=True)
+    shutil.copy(REPO / "golden" / CASE / "activation_shardings.json", golden_root / CASE)
+    tool = [sys.executable, str(REPO / "tools/compare_reference.py")]
+    ok = subprocess.run(tool + ["--reference-root", str(ref_root), "--golden-root", str(golden_root)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"{CASE}: 4/4 reference activations match (1 with unknown logical axes skipped)" in ok.stdout
+    (ref_root / "other/case").mkdir(parents=True)
+    (ref_root / "other/case/input_shardings.json").write_text(json.dumps(REFERENCE))
+    missing = subprocess.run(tool + ["--reference-root", str(ref_root), "--golden-root", str(golden_root)],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "other/case: no activation_shardings.json" in missing.stdout
+    bad = subprocess.run(tool + [str(tmp_path / "nope.json"), str(golden_root / CASE / "activation_shardings.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("compare_reference: error: ") and "no such file" in bad.stderr
