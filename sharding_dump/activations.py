@@ -89,10 +89,24 @@ def recording() -> Iterator[Recording]:
         _CURRENT.reset(reset)
 
 
+_PREFIX: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("activation_module_prefix", default=())
+
+
+@contextlib.contextmanager
+def module_prefix(path: Sequence[str]) -> Iterator[None]:
+    """Call sites inside the block get `path` in front of their module path: for modules run by a
+    detached `Module.apply` (a pipeline stage), whose own paths start again from the root."""
+    reset = _PREFIX.set(_PREFIX.get() + tuple(path))
+    try:
+        yield
+    finally:
+        _PREFIX.reset(reset)
+
+
 def _module_path() -> str:
     # flax keeps the module whose method is running on this stack (None at the bottom: no module).
     module = flax_module._context.module_stack[-1]
-    return "" if module is None else "/".join(module.path)
+    return "/".join(_PREFIX.get() + (() if module is None else tuple(module.path)))
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> jax.Array:
@@ -110,16 +124,21 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
         return nn.with_logical_constraint(x, axes)
 
 
-def _constraint_eqns(jaxpr: Jaxpr, stack: tuple[str, ...]) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
-    """Every sharding_constraint equation, in nested jaxprs too (scan, remat, jit, shard_map,
-    custom_vjp, cond), with its full name stack (a child's stack is relative to its parent's)."""
-    for eqn in jaxpr.eqns:
+def equations(jaxpr: Jaxpr | ClosedJaxpr, stack: tuple[str, ...] = ()) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
+    """Every equation, in nested jaxprs too (scan, remat, jit, shard_map, custom_vjp, cond), with its
+    full name stack (a child's stack is relative to its parent's)."""
+    inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    for eqn in inner.eqns:
         own = str(eqn.source_info.name_stack)
         full = stack + (own,) if own else stack
-        if eqn.primitive.name == "sharding_constraint":
-            yield eqn, full
+        yield eqn, full
         for sub in jaxprs_in_params(eqn.params):
-            yield from _constraint_eqns(sub, full)
+            yield from equations(sub, full)
+
+
+def _constraint_eqns(jaxpr: Jaxpr, stack: tuple[str, ...]) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
+    """Every sharding_constraint equation with its full name stack."""
+    return ((eqn, full) for eqn, full in equations(jaxpr, stack) if eqn.primitive.name == "sharding_constraint")
 
 
 def unrecorded_constraints(closed: ClosedJaxpr) -> list[tuple[tuple[int, ...], str, str]]:

@@ -62,6 +62,8 @@ def setup_case(case: Case) -> CaseSetup:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
     batch = plan_batch(rule_set, plan, values)
+    if pipeline is not None:
+        pipeline.check_batch(batch.global_batch_size)
     setup = CaseSetup(case, topology, rule_set, values, plan, config, batch)
     if setup.explicit:
         _check_even_splits(setup)

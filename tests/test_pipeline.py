@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from helpers import REPO, assert_bad_input, run_cli
-from sharding_dump import state, step
-from sharding_dump.case import Case, load_matrix
+from sharding_dump import activations, serialize, state, train_step
+from sharding_dump.case import Case, golden_dir, load_matrix
 from sharding_dump.dump import dump_case, setup_case
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
@@ -45,25 +45,32 @@ def test_stacked_layer_weights_are_on_stage(case):
 
 @pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: c.label)
 def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
+    """The traced training step moves microbatches with a ppermute ring on `stage` inside a shard_map,
+    and the activation dump holds the stage buffers with `activation_stage` on `stage`."""
     setup = SETUPS[case.label]
-    pp, cfg = setup.config.pipeline, setup.config
-    eqns = list(step.equations(step.trace_step(setup)))
+    pp, cfg, batch = setup.config.pipeline, setup.config, setup.batch
+    closed, _ = train_step.trace_step(cfg, state.abstract_state(cfg), setup.plan, setup.rule_set, batch,
+                                      state.optimizer())
+    eqns = [eqn for eqn, _ in activations.equations(closed)]
     shifts = [e for e in eqns if e.primitive.name == "ppermute"]
     assert shifts and all(e.params["axis_name"] == ("stage",) for e in shifts)
     assert any(e.primitive.name == "shard_map" for e in eqns)
     ring = tuple((s, (s + 1) % pp.num_stages) for s in range(pp.num_stages))
     assert any(tuple(e.params["perm"]) == ring for e in shifts)
-    micro = step.global_batch(setup) // pp.num_microbatches
+    micro = (batch.global_batch_size // pp.num_microbatches, batch.max_target_length, cfg.emb_dim)
     buffers = {
-        "state_io": (pp.num_stages, pp.microbatches_per_stage, micro, step.SEQUENCE_LENGTH, cfg.emb_dim),
-        "shift": (pp.num_stages, micro, step.SEQUENCE_LENGTH, cfg.emb_dim),
+        "pipeline_state_io": (pp.num_stages, pp.microbatches_per_stage) + micro,
+        "pipeline_shift": (pp.num_stages,) + micro,
     }
     if pp.uses_circular_storage:
-        buffers["circular_storage"] = (pp.num_stages, pp.num_microbatches, micro, step.SEQUENCE_LENGTH, cfg.emb_dim)
-    constrained = {tuple(e.invars[0].aval.shape) for e in eqns if e.primitive.name == "sharding_constraint"
-                   and e.params["sharding"].spec[:1] == ("stage",)}
+        buffers["pipeline_circular_storage"] = (pp.num_stages, pp.num_microbatches) + micro
+    dumped = serialize.read_document(golden_dir(case, REPO / "golden") / "activation_shardings.json")["tensors"]
     for name, shape in buffers.items():
-        assert shape in constrained, f"{name} {shape} is not constrained on stage"
+        entries = [e for e in dumped.values() if e["name"] == name and e["pass"] == "forward"]
+        assert entries, f"{name} is not in the activation dump"
+        for entry in entries:
+            assert tuple(entry["shape"]) == shape, (name, entry["shape"])
+            assert entry["logical_axes"][0] == "activation_stage" and entry["partition_spec"][0] == "stage", entry
 
 
 def test_pipeline_keeps_every_parameter():

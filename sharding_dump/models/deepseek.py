@@ -30,7 +30,8 @@ from sharding_dump.activations import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import MlpBlock
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, scan_layers
+from sharding_dump.models.layers import Dense, Embed, RMSNorm, output_logits, scan_layers
+from sharding_dump.models.pipeline import apply_layer_stack
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary, yarn_mscale
 
@@ -143,12 +144,10 @@ class DeepSeekDecoder(nn.Module):
         if cfg.first_num_dense_layers:
             dense = scan_layers(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers")
             x, _ = dense(cfg, name="dense_layers")(x, positions)
-        moe = scan_layers(DeepSeekMoeLayer, cfg.num_moe_layers, "moe_layers")
-        x, _ = moe(cfg, name="moe_layers")(x, positions)
-        x = RMSNorm(cfg, name="decoder_norm")(x)
-        logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
-        return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
-                         "logits")
+        # The MoE stack is the one a pipeline cuts into stages (cfg.pipelined_stack_layers).
+        x = apply_layer_stack(cfg, DeepSeekMoeLayer, cfg.num_moe_layers, x, positions, name="moe_layers",
+                              layer_axis="moe_layers")
+        return output_logits(cfg, x)
 
 
 class DeepSeekDecoderLM(nn.Module):

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from sharding_dump.activations import constrain
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope
+from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope, output_logits
 from sharding_dump.models.pipeline import apply_layer_stack
 
 BLE = ("activation_batch", "activation_norm_length", "activation_embed")
@@ -108,13 +107,7 @@ class Decoder(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         x = apply_layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers, x, positions, name="layers")
-        x = RMSNorm(cfg, name="decoder_norm")(x)
-        if self.shared_embedding is not None:
-            logits = self.shared_embedding.attend(x)
-        else:
-            logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
-        return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
-                         "logits")
+        return output_logits(cfg, x, self.shared_embedding)
 
 
 class DenseDecoderLM(nn.Module):

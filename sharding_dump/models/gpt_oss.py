@@ -21,7 +21,8 @@ import jax
 from sharding_dump.activations import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, scan_layers, weight_param
+from sharding_dump.models.layers import Dense, Embed, RMSNorm, output_logits, weight_param
+from sharding_dump.models.pipeline import apply_layer_stack
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
 
@@ -96,12 +97,8 @@ class GptOssDecoder(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        blocks = scan_layers(GptOssBlock, cfg.num_decoder_layers // cfg.inhomogeneous_layer_cycle_interval, "layers")
-        x, _ = blocks(cfg, name="layers")(x, positions)
-        x = RMSNorm(cfg, name="decoder_norm")(x)
-        logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
-        return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
-                         "logits")
+        x = apply_layer_stack(cfg, GptOssBlock, cfg.pipelined_stack_layers, x, positions, name="layers")
+        return output_logits(cfg, x)
 
 
 class GptOssDecoderLM(nn.Module):

@@ -111,3 +111,17 @@ def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn
         length=length,
         metadata_params={nn.PARTITION_NAME: layer_axis},
     )
+
+
+def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | None" = None) -> jax.Array:
+    """Final norm and output projection (through the tied embedding, or an own `logits_dense` kernel),
+    constrained as logits. Call it from a decoder's compact `__call__`: the modules land in its scope."""
+    from sharding_dump.activations import constrain
+
+    x = RMSNorm(cfg, name="decoder_norm")(x)
+    if shared_embedding is not None:
+        logits = shared_embedding.attend(x)
+    else:
+        logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
+    return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
+                     "logits")

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from sharding_dump import activations
 from sharding_dump import rules as rules_mod
 from sharding_dump.activations import constrain
 from sharding_dump.errors import BadInput
@@ -238,26 +239,31 @@ class Pipeline(nn.Module):
         weights = jax.tree.map(lambda b: b.unbox() if _is_box(b) else b, self.variables["params"]["stages"],
                                is_leaf=_is_box)
         stage_stack = scan_layers(self.layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL)(self.cfg)
+        stage_path = tuple(self.path) + ("stages",)
 
         def stage_fn(stage_weights: Any, inputs: jax.Array, stage_positions: jax.Array) -> jax.Array:
-            return stage_stack.apply({"params": stage_weights}, inputs, stage_positions)[0]
+            # The stage stack runs detached from this module: keep its activations under our path.
+            with activations.module_prefix(stage_path):
+                return stage_stack.apply({"params": stage_weights}, inputs, stage_positions)[0]
 
         return run_pipeline(pp, stage_fn, weights, x, positions)
 
 
 def apply_layer_stack(cfg: "ModelConfig", layer: type[nn.Module], num_layers: int, x: jax.Array,
-                      positions: jax.Array, name: str = "layers") -> jax.Array:
+                      positions: jax.Array, name: str = "layers", layer_axis: str = "layers") -> jax.Array:
     """`num_layers` copies of `layer` over x, scanned, or pipelined when `cfg.pipeline` is set.
 
     Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`
-    (and `<name>_outside_pipeline` for the layers the pipeline leaves out)."""
+    (and `<name>_outside_pipeline` for the layers the pipeline leaves out). Scanned weights carry the
+    logical name `layer_axis` on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE stack);
+    pipelined ones carry `layers` (on `stage`) and `layers_per_stage`."""
     pp = cfg.pipeline
     if pp is None:
-        x, _ = scan_layers(layer, num_layers, "layers")(cfg, name=name)(x, positions)
+        x, _ = scan_layers(layer, num_layers, layer_axis)(cfg, name=name)(x, positions)
         return x
     x = Pipeline(cfg, layer, name=name)(x, positions)
     rest = num_layers - pp.num_layers
     if rest:
         with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-            x, _ = scan_layers(layer, rest, "layers")(cfg, name=f"{name}_outside_pipeline")(x, positions)
+            x, _ = scan_layers(layer, rest, layer_axis)(cfg, name=f"{name}_outside_pipeline")(x, positions)
     return x
