@@ -57,14 +57,10 @@ class BatchPlan:
         }
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _check_even(what: str, spec: PartitionSpec, shape: tuple[int, int], sizes: Mapping[str, int]) -> None:
     labels = ("global batch {} (per_device_batch_size x devices)", "max_target_length={}")
     for dim, (label, length) in enumerate(zip(labels, shape)):
-        axes = _axes_of(spec[dim] if dim < len(spec) else None)
+        axes = rules.axes_of(spec[dim] if dim < len(spec) else None)
         ways = math.prod(sizes[a] for a in axes)
         if length % ways:
             split = " x ".join(f"{a}={sizes[a]}" for a in axes if sizes[a] != 1)

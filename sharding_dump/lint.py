@@ -118,11 +118,6 @@ def _tensor_details(rule_set: rules.RuleSet, listed: list[tuple[TensorLayout, in
     return tuple(lines)
 
 
-def _split(layout: TensorLayout, dim: int) -> tuple[str, ...]:
-    entry = layout.partition_spec[dim] if dim < len(layout.partition_spec) else None
-    return rules.axes_of(entry)
-
-
 def _fold(per_tensor: dict[str, tuple[Any, ...]]) -> list[tuple[str, tuple[Any, ...]]]:
     """Folds optimizer slots whose finding equals their parameter's under the parameter."""
     out = []
@@ -135,20 +130,15 @@ def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Fi
     """Dimensions whose size is not a multiple of the product of the mesh axes they are split over."""
     sizes = setup.plan.sizes
     per_tensor: dict[str, tuple[Any, ...]] = {}
-    for layout in layouts:
-        problems = []
-        for dim, size in enumerate(layout.shape):
-            pieces = layout.shards(dim)
-            if pieces > 1 and size % pieces:
-                axes = [a for a in _split(layout, dim) if sizes[a] > 1]
-                over = " x ".join(f"{a}={sizes[a]}" for a in axes) + (f" = {pieces}" if len(axes) > 1 else "")
-                name = layout.logical_axes[dim]
-                index = rules.deciding_rule(layout.logical_axes, setup.rule_set.logical_axis_rules, dim)
-                problems.append((f"dim {dim} ({name}) of size {size} is split over {over}: {size} is not a "
-                                 f"multiple of {pieces}", rule_text(setup.rule_set, index) if index is not None
-                                 else f"no rule for '{name}'"))
-        if problems:
-            per_tensor[layout.path] = tuple(problems)
+    for layout, dim in state.indivisible(layouts):
+        size, pieces = layout.shape[dim], layout.shards(dim)
+        axes = [a for a in layout.axes(dim) if sizes[a] > 1]
+        over = " x ".join(f"{a}={sizes[a]}" for a in axes) + (f" = {pieces}" if len(axes) > 1 else "")
+        name = layout.logical_axes[dim]
+        index = rules.deciding_rule(layout.logical_axes, setup.rule_set.logical_axis_rules, dim)
+        problem = (f"dim {dim} ({name}) of size {size} is split over {over}: {size} is not a multiple of {pieces}",
+                   rule_text(setup.rule_set, index) if index is not None else f"no rule for '{name}'")
+        per_tensor[layout.path] = per_tensor.get(layout.path, ()) + (problem,)
     return [Finding("divisibility", subject, message, (f"rule: {rule}",))
             for subject, problems in _fold(per_tensor) for message, rule in problems]
 
@@ -198,7 +188,7 @@ def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: f
     if not any(size > 1 for size in sizes.values()):
         return []
     params = [t for t in layouts if t.group == "params"]
-    whole = [t for t in params if not any(sizes[a] > 1 for d in range(len(t.shape)) for a in _split(t, d))]
+    whole = [t for t in params if not any(sizes[a] > 1 for d in range(len(t.shape)) for a in t.axes(d))]
     total = sum(_global_bytes(t) for t in params)
     replicated = sum(_global_bytes(t) for t in whole)
     if not total or replicated / total <= tolerance:

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sharding_dump import serialize
+from sharding_dump import rules, serialize
 from sharding_dump.errors import BadInput
 
 REFERENCE_FILE = "input_shardings.json"
@@ -75,8 +75,7 @@ def normalise_spec(entries: Sequence[Any], ndim: int, sizes: Mapping[str, int] |
     out = []
     for dim in range(ndim):
         entry = entries[dim] if dim < len(entries) else None
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        out.append(tuple(a for a in axes if sizes is None or sizes.get(a, 1) != 1))
+        out.append(tuple(a for a in rules.axes_of(entry) if sizes is None or sizes.get(a, 1) != 1))
     return tuple(out)
 
 

@@ -105,7 +105,7 @@ def load_rule(ref: str) -> RuleSet:
                            f"(valid: {', '.join(sorted(known))})")
     rules: Rules = tuple((name, _axes(axes)) for name, axes in data["logical_axis_rules"])
     for index, (name, axes) in enumerate(rules):
-        for axis in [axes] if isinstance(axes, str) else (axes or ()):
+        for axis in axes_of(axes):
             if axis not in mesh_axes:
                 raise BadInput(f"{where}: field logical_axis_rules/{index} ({name}): mesh axis {axis!r} "
                                f"is not in mesh_axes [{', '.join(mesh_axes)}]")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharding_dump import diff, serialize, state, tables
+from sharding_dump import diff, rules, serialize, state, tables
 from sharding_dump.case import Case
 from sharding_dump.dump import case_layouts
 
@@ -23,7 +23,7 @@ def effective_spec(spec: serialize.SpecJson, sizes: dict[str, int]) -> serialize
     """The spec without mesh axes of size 1."""
     out: serialize.SpecJson = []
     for entry in spec:
-        axes = [a for a in ([entry] if isinstance(entry, str) else entry or []) if sizes[a] > 1]
+        axes = [a for a in rules.axes_of(entry) if sizes[a] > 1]
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return out
 

@@ -64,11 +64,13 @@ class TensorLayout:
         """The top-level part of the state the leaf belongs to: params, opt_state or step."""
         return self.path.split("/", 1)[0]
 
+    def axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes dimension `dim` is split over (size-1 axes included)."""
+        return rules.axes_of(self.partition_spec[dim] if dim < len(self.partition_spec) else None)
+
     def shards(self, dim: int) -> int:
         """How many pieces dimension `dim` is split into."""
-        entry = self.partition_spec[dim] if dim < len(self.partition_spec) else None
-        axes = (entry,) if isinstance(entry, str) else (entry or ())
-        return math.prod(self.mesh_sizes[a] for a in axes)
+        return math.prod(self.mesh_sizes[a] for a in self.axes(dim))
 
 
 def optimizer() -> optax.GradientTransformation:
@@ -139,19 +141,15 @@ def per_device_totals(layouts: list[TensorLayout]) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
     """ZeRO-1: `spec` with `data` added as the outermost mesh axis of the first dimension that still
     splits evenly over it, so each data-parallel replica keeps (and updates) a slice of the moments.
     Unchanged when `data` is already used or no dimension splits evenly."""
     entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
-    if any(DATA_AXIS in _entry_axes(e) for e in entries):
+    if any(DATA_AXIS in rules.axes_of(e) for e in entries):
         return spec
     for dim, (size, entry) in enumerate(zip(shape, entries)):
-        axes = _entry_axes(entry)
+        axes = rules.axes_of(entry)
         shards = math.prod(sizes[a] for a in axes)
         if size % shards == 0 and (size // shards) % sizes[DATA_AXIS] == 0:
             entries[dim] = (DATA_AXIS,) + axes if axes else DATA_AXIS

@@ -84,13 +84,14 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
+        """Layers after the leading dense ones (every layer of a dense model)."""
         return self.num_decoder_layers - self.first_num_dense_layers
 
     @property
     def pipelined_stack_layers(self) -> int:
         """Length of the layer stack a pipeline cuts into stages (the MoE stack of a model with leading
         dense layers; scanned blocks, not layers, for models that cycle layer kinds)."""
-        return (self.num_decoder_layers - self.first_num_dense_layers) // self.inhomogeneous_layer_cycle_interval
+        return self.num_moe_layers // self.inhomogeneous_layer_cycle_interval
 
 
 def model_names() -> list[str]:
@@ -148,9 +149,8 @@ def check_card_consistency(card: dict[str, Any], where: str) -> None:
 def load_config(name: str, **run_settings: Any) -> ModelConfig:
     """The ModelConfig of card `name`, with run settings (e.g. weight_dtype) applied."""
     data = dict(_card(name))
-    for key in ("mlp_activations",):
-        if key in data:
-            data[key] = tuple(data[key])
+    if "mlp_activations" in data:
+        data["mlp_activations"] = tuple(data["mlp_activations"])
     if "logical_axis_rules" in data:
         data["logical_axis_rules"] = tuple(
             (n, tuple(a) if isinstance(a, list) else a) for n, a in data["logical_axis_rules"])

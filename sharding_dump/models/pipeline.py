@@ -131,8 +131,7 @@ def stage_as_data(rules: rules_mod.Rules) -> rules_mod.Rules:
     `data` wherever `data` appears, so those layers split their batch over the stages too."""
     out = []
     for name, axes in rules:
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if a != STAGE_AXIS)
+        axes = tuple(a for a in rules_mod.axes_of(axes) if a != STAGE_AXIS)
         if "data" in axes:
             at = axes.index("data")
             axes = axes[:at] + (STAGE_AXIS,) + axes[at:]
