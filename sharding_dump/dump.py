@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 from sharding_dump import models, rules, serialize, settings, state, train_step
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.models.pipeline import pipeline_rules, plan_pipeline
 from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.models.config import card_path
@@ -110,9 +111,26 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     return setup, state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set, over_data)
 
 
+def warn_uneven(setup: CaseSetup, layouts: list[state.TensorLayout]) -> None:
+    """Warns (UnevenSplitWarning) when any leaf of the case splits unevenly, naming one (a parameter
+    when there is one); `sharding-dump check` lists them all."""
+    uneven = sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+    if not uneven:
+        return
+    layout, dim = uneven[0]
+    count = len({t.path for t, _ in uneven})
+    over = " x ".join(f"{a}={setup.plan.sizes[a]}" for a in layout.axes(dim) if setup.plan.sizes[a] > 1)
+    warnings.warn(UnevenSplitWarning(
+        f"{setup.case.label}: {count} lea{'f does' if count == 1 else 'ves do'} not split evenly over their mesh "
+        f"axes (the last shard is padded), e.g. {layout.path} dimension {dim} ({layout.logical_axes[dim]}) of "
+        f"size {layout.shape[dim]} over {over} = {layout.shards(dim)} shards; `sharding-dump check` lists them"),
+        stacklevel=2)
+
+
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
-    """Every golden document of `case`, keyed by file name."""
+    """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits unevenly)."""
     setup, layouts = case_layouts(case)
+    warn_uneven(setup, layouts)
     named = {
         t.path: {
             "shape": list(t.shape),
