@@ -74,11 +74,12 @@ class Router(nn.Module):
     """Router logits (batch, length, num_experts) and its optional per-expert bias."""
 
     cfg: ModelConfig
+    kernel_axes: tuple[str | None, ...] = ("embed_moe", None)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         cfg = self.cfg
-        kernel = weight_param(self, "kernel", (x.shape[-1], cfg.num_experts), ("embed_moe", None), cfg)
+        kernel = weight_param(self, "kernel", (x.shape[-1], cfg.num_experts), self.kernel_axes, cfg)
         logits = jnp.tensordot(x.astype(jnp.float32), kernel.astype(jnp.float32), axes=1)
         bias = None
         if cfg.routed_bias:
@@ -90,6 +91,7 @@ class RoutedExperts(nn.Module):
     """Router plus `num_experts` gated MLPs of width `moe_mlp_dim`."""
 
     cfg: ModelConfig
+    gate_axes: tuple[str | None, ...] = ("embed_moe", None)  # Mixtral, Qwen3-MoE: ("embed", None)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -97,7 +99,7 @@ class RoutedExperts(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         experts, embed, width = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
         x = constrain(x, ROUTER_AXES, "inputs")
-        logits, bias = Router(cfg, name="gate")(x)
+        logits, bias = Router(cfg, self.gate_axes, name="gate")(x)
         logits = constrain(logits.astype(dtype), ROUTER_AXES, "gate_logits")
         weights, indices = route(cfg, logits, bias)
         combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, experts, dtype=jnp.float32), weights)
