@@ -46,6 +46,11 @@ class Case:
         return cls(model, topology_name, rule, num_slices, settings.parse_overrides(overrides or {}))
 
     @property
+    def model_name(self) -> str:
+        """The card's name: what the case is called (a card given by path is named by its `name`)."""
+        return models.resolve_model(self.model)[0]
+
+    @property
     def rule_name(self) -> str:
         return rules.rule_name(self.rule)
 
@@ -59,12 +64,12 @@ class Case:
     @property
     def label(self) -> str:
         """A short id for test names and progress lines."""
-        return f"{self.model}/{self.topology}/slice_{self.num_slices}/{self.name}"
+        return f"{self.model_name}/{self.topology}/slice_{self.num_slices}/{self.name}"
 
     def header(self) -> dict[str, Any]:
         """The case as recorded in every golden file."""
         return {
-            "model": self.model,
+            "model": self.model_name,
             "topology": self.topology,
             "num_slices": self.num_slices,
             "rule": self.rule_name,
@@ -84,7 +89,7 @@ class Case:
 
 def golden_dir(case: Case, root: str | Path) -> Path:
     """The folder of a case's golden files under `root`: the one place this path is built."""
-    return Path(root) / case.model / case.topology / f"slice_{case.num_slices}" / case.name
+    return Path(root) / case.model_name / case.topology / f"slice_{case.num_slices}" / case.name
 
 
 def load_matrix(path: Path = CASES_FILE) -> list[Case]:

@@ -146,7 +146,7 @@ def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Fi
 def check_card_rules(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
     """Model card rules dropped because they name a mesh axis the rule file does not declare."""
     base = rules.load_rule(setup.case.rule)
-    path = card_path(setup.config.name)
+    path = card_path(setup.case.model)
     lines = yaml_item_lines(path, "logical_axis_rules")
     findings = []
     for index, (name, axes) in enumerate(setup.config.logical_axis_rules):
