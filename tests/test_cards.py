@@ -4,6 +4,7 @@ path, cards and families registered by installed packages, and golden cases that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import textwrap
@@ -135,6 +136,7 @@ OTHER_VALUE = {"head_dim": 16, "mlp_activations": ("relu", "linear"), "rope_max_
                "num_experts": 8, "num_experts_per_tok": 1, "moe_mlp_dim": 40}
 
 
+@functools.cache
 def model_signature(cfg: models.ModelConfig) -> str:
     """A digest of the traced init-and-forward of the card's module (program text and constants)."""
     net = models.build_model(cfg)
@@ -180,8 +182,7 @@ def test_card_by_path_dumps_under_its_name(tmp_path):
     path.parent.mkdir()
     path.write_text(LLAMA3_8B)
     out = tmp_path / "out"
-    result = run_cli("--model", str(path), "--topology", "v5p-32", "--rule", "default", "--output-dir", str(out))
-    assert result.returncode == 0, result.stderr
+    assert cli.main(["--model", str(path), "--topology", "v5p-32", "--rule", "default", "--output-dir", str(out)]) == 0
     folder = out / "my-llama3-8b" / "v5p-32" / "slice_1" / "rule_default"
     named = json.loads((folder / "named_shardings.json").read_text())
     assert named["case"]["model"] == "my-llama3-8b"
