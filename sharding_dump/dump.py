@@ -23,9 +23,8 @@ from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
 
-NAMED_FILE = "named_shardings.json"
-LOGICAL_FILE = "logical_shardings.json"
-ACTIVATIONS_FILE = "activation_shardings.json"
+from sharding_dump.core import documents
+from sharding_dump.core.documents import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,46 +110,10 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     """Every golden document of `case`, keyed by file name."""
     setup, layouts = case_layouts(case)
-    named = {
-        t.path: {
-            "shape": list(t.shape),
-            "dtype": t.dtype,
-            "partition_spec": serialize.spec_to_json(t.partition_spec, len(t.shape)),
-            "per_device_shape": list(t.per_device_shape),
-            "per_device_bytes": t.per_device_bytes,
-        }
-        for t in layouts
-    }
-    logical = {t.path: {"shape": list(t.shape), "logical_axes": list(t.logical_axes)} for t in layouts}
-    head = header(setup)
-    # Per-device totals sit in the named header so a rule edit's memory change shows in the golden diff.
-    named_head = {**head, "per_device_bytes": state.per_device_totals(layouts)}
-    return {
-        NAMED_FILE: serialize.document("named", named_head, named),
-        LOGICAL_FILE: serialize.document("logical", head, logical),
-        ACTIVATIONS_FILE: serialize.document("activations", {**head, "batch": setup.batch.header()},
-                                             activation_entries(setup)),
-    }
-
-
-def activation_entries(setup: CaseSetup) -> dict[str, dict[str, Any]]:
-    """One entry per activation constraint of the traced training step, keyed `<pass>/<module>/<name>`."""
     constraints = train_step.trace_activations(setup.config, _abstract_state(setup.config), setup.plan,
                                                setup.rule_set, setup.batch, state.optimizer())
-    entries = {}
-    for c in constraints:
-        layout = state.TensorLayout(c.key, c.shape, c.dtype, c.logical_axes, c.partition_spec, setup.plan.sizes)
-        entries[c.key] = {
-            "module": c.module,
-            "name": c.name,
-            "pass": c.pass_,
-            "shape": list(c.shape),
-            "dtype": c.dtype,
-            "logical_axes": list(c.logical_axes),
-            "partition_spec": serialize.spec_to_json(c.partition_spec, len(c.shape)),
-            "per_device_shape": list(layout.per_device_shape),
-        }
-    return entries
+    return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
+                                      activation_header={"batch": setup.batch.header()})
 
 
 def render_case(case: Case) -> dict[str, bytes]:
