@@ -67,6 +67,7 @@ class Recording:
     token: int
     sites: list[CallSite] = dataclasses.field(default_factory=list)
     nnx_paths: dict[int, str] = dataclasses.field(default_factory=dict)  # id(nnx module) -> path
+    nnx_type_paths: dict[type, list[str]] = dataclasses.field(default_factory=dict)  # module class -> paths
 
     def note(self, site: CallSite) -> int:
         self.sites.append(site)
@@ -134,7 +135,9 @@ def note_nnx_modules(root: Any) -> None:
 
     for path, node in nnx.iter_graph(root):
         if isinstance(node, nnx.Module):
-            rec.nnx_paths[id(node)] = "/".join(str(p) for p in path)
+            text = "/".join(str(p) for p in path)
+            rec.nnx_paths[id(node)] = text
+            rec.nnx_type_paths.setdefault(type(node), []).append(text)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> jax.Array:
@@ -193,8 +196,15 @@ def _module_path(rec: Recording) -> str:
     if rec.nnx_paths:
         for frame in _caller_frames():
             owner = frame.f_locals.get("self")
-            if owner is not None and id(owner) in rec.nnx_paths:
-                return "/".join(_PREFIX.get() + tuple(filter(None, [rec.nnx_paths[id(owner)]])))
+            if owner is None:
+                continue
+            # A module rebuilt inside an NNX transform (scan, vmap, remat) is a new object: it is known
+            # by its class when the model has one module of that class (e.g. a scanned block stack).
+            path = rec.nnx_paths.get(id(owner))
+            if path is None and len(rec.nnx_type_paths.get(type(owner), ())) == 1:
+                path = rec.nnx_type_paths[type(owner)][0]
+            if path is not None:
+                return "/".join(_PREFIX.get() + tuple(filter(None, [path])))
     return "/".join(_PREFIX.get())
 
 

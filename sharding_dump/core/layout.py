@@ -12,7 +12,7 @@ carry their logical axes (flax `Partitioned` boxes, as linen's `with_logical_par
 >>> leaf = nn.Partitioned(jax.ShapeDtypeStruct((1024, 4096), "float32"), names=("embed", "mlp"))
 >>> (t,) = tensor_layouts({"w": leaf}, mesh, rules)
 >>> t.path, t.partition_spec, t.per_device_shape, t.per_device_bytes
-('w', PartitionSpec('fsdp', 'tensor'), (256, 2048), 2097152)
+('w', P('fsdp', 'tensor'), (256, 2048), 2097152)
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:
     """The physical PartitionSpec of one logical spec, by flax's own resolver.
 
     >>> resolve(("embed", "mlp"), [("embed", "fsdp"), ("mlp", ("fsdp", "tensor"))])
-    PartitionSpec('fsdp', None)
+    P('fsdp', None)
     """
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules_of(rules))
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sharding_dump.core.capture import note_nnx_modules
 from sharding_dump.core.layout import leaves, unbox
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
@@ -79,8 +80,19 @@ class Model:
     `(raw params, tokens, positions) -> logits`."""
 
     kind: str  # linen | nnx
-    abstract_params: Callable[[], Any]
+    build_params: Callable[[], Any]
     apply: ApplyFn
+
+    def abstract_params(self, mesh: Any = None, rules: Any = None) -> Any:
+        """The boxed abstract parameters. With a mesh (and rules), initialisation runs under them, as
+        in training: a model that places plain `jax.lax.with_sharding_constraint(x, P(...))` needs one."""
+        if mesh is None:
+            return self.build_params()
+        from sharding_dump.core.layout import rules_of
+
+        abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
+        with jax.sharding.use_abstract_mesh(abstract), nn.logical_axis_rules(rules_of(rules or ())):
+            return self.build_params()
 
 
 def _linen_model(module: nn.Module) -> Model:
@@ -138,6 +150,7 @@ def _nnx_model(abstract_module: Any) -> Model:
             values.append((path, var.replace(node)))
         rest_values = jax.tree.map(_concrete_placeholder, rest)
         module = nnx.merge(graphdef, nnx.from_flat_state(values), rest_values)
+        note_nnx_modules(module)
         return module(tokens, positions=positions) if positions_kw else module(tokens)
 
     return Model("nnx", abstract_params, apply)
