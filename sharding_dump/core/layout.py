@@ -77,7 +77,7 @@ def rules_of(rules: Any) -> tuple[tuple[str, Any], ...]:
     """Logical axis rules as flax wants them: pairs of (logical name, mesh axis | tuple | None).
     Takes a sequence of pairs (lists from YAML are fine) or anything with `logical_axis_rules`."""
     pairs = getattr(rules, "logical_axis_rules", rules)
-    return tuple((name, axes if axes is None or isinstance(axes, str) else tuple(axes)) for name, axes in pairs)
+    return tuple((name, specs.rule_axes(axes)) for name, axes in pairs)
 
 
 def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:

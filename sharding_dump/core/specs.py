@@ -33,6 +33,12 @@ def entry_axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry)
 
 
+def rule_axes(value: Any) -> None | str | tuple[str, ...]:
+    """A rule's right-hand side as flax's resolver wants it: None, one axis name, or a tuple (YAML
+    and JSON give lists)."""
+    return value if value is None or isinstance(value, str) else tuple(value)
+
+
 def spec_axes(spec: Sequence[Any] | None, ndim: int, sizes: Mapping[str, int] | None = None) -> SpecAxes:
     """One tuple of mesh axes per dimension (a short spec is padded); with `sizes`, axes of size 1
     are dropped (what a device actually splits over)."""
