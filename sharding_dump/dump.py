@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 from sharding_dump import models, rules, serialize, settings, state, train_step
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
-from sharding_dump.errors import BadInput
-from sharding_dump.models.pipeline import plan_pipeline
+from sharding_dump.errors import BadInput, UnevenSplitWarning
+from sharding_dump.models.pipeline import pipeline_rules, plan_pipeline
 from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
@@ -65,6 +66,8 @@ def setup_case(case: Case) -> CaseSetup:
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, config.pipelined_stack_layers)
         config = dataclasses.replace(config, pipeline=pipeline)
+        if pipeline is not None:
+            rule_set = pipeline_rules(rule_set)
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
@@ -151,9 +154,26 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
 
 
+def warn_uneven(setup: CaseSetup, layouts: list[state.TensorLayout]) -> None:
+    """Warns (UnevenSplitWarning) when any leaf of the case splits unevenly, naming one (a parameter
+    when there is one); `sharding-dump check` lists them all."""
+    uneven = sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+    if not uneven:
+        return
+    layout, dim = uneven[0]
+    count = len({t.path for t, _ in uneven})
+    over = " x ".join(f"{a}={setup.plan.sizes[a]}" for a in layout.axes(dim) if setup.plan.sizes[a] > 1)
+    warnings.warn(UnevenSplitWarning(
+        f"{setup.case.label}: {count} lea{'f does' if count == 1 else 'ves do'} not split evenly over their mesh "
+        f"axes (the last shard is padded), e.g. {layout.path} dimension {dim} ({layout.logical_axes[dim]}) of "
+        f"size {layout.shape[dim]} over {over} = {layout.shards(dim)} shards; `sharding-dump check` lists them"),
+        stacklevel=2)
+
+
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
-    """Every golden document of `case`, keyed by file name."""
+    """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits unevenly)."""
     setup, layouts = case_layouts(case)
+    warn_uneven(setup, layouts)
     constraints = trace_activations(setup)
     return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
                                       activation_header={"batch": setup.batch.header()})

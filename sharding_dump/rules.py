@@ -31,6 +31,7 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 DEFAULT_INPUT_AXES = ("activation_embed_and_logits_batch", "activation_norm_length")
+BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +137,20 @@ def load_rule(ref: str) -> RuleSet:
     )
 
 
+def is_base_rule(rule_set: RuleSet) -> bool:
+    """True for the packaged `default` rule file: MaxText's base rules, the only ones a model card's
+    rules are merged into (any other rule file replaces the rules wholesale)."""
+    return rule_set.path.resolve() == (RULES_DIR / f"{BASE_RULE}.yml").resolve()
+
+
 def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source: Path | None = None) -> RuleSet:
-    """Applies a model card's own rules the way MaxText merges them: every rule of the rule file with
-    the same logical name is dropped and the card's rules are appended. A card rule that names an axis
-    this mesh lacks is left out (the card cannot know every mesh; `sharding-dump check` reports it).
+    """Applies a model card's own rules the way MaxText merges them: every rule of the base rule file
+    with the same logical name is dropped and the card's rules are appended. Any other rule file is
+    returned unchanged: as in MaxText, a custom mesh-and-rule file replaces the merged rules wholesale.
+    A card rule that names an axis this mesh lacks is left out (the card cannot know every mesh).
     `source` is the card's file, so the merged rules keep pointing at the line that wrote them."""
+    if not is_base_rule(rule_set):
+        return rule_set
     lines = yaml_item_lines(source, "logical_axis_rules") if source is not None else []
     extra, extra_origins = [], []
     for index, (name, axes) in enumerate(overrides):

@@ -34,11 +34,13 @@ from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the 
     TensorLayout, indivisible, leaves, path_text, per_device_totals, tensor_layouts as core_tensor_layouts)
 from sharding_dump.core.layout import _is_box
 from sharding_dump.core.state import abstract_train_state, as_model, default_optimizer, parameter_count  # noqa: F401
+from sharding_dump.errors import BadInput
 from sharding_dump.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 MOMENTS = ("mu", "nu")  # AdamW's per-parameter slots, under opt_state/<index>/
 DATA_AXIS = "data"
+TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
 
 
 def optimizer() -> optax.GradientTransformation:
@@ -58,17 +60,25 @@ def is_moment(path: str) -> bool:
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
-    """ZeRO-1: `spec` with `data` added as the outermost mesh axis of the first dimension that still
-    splits evenly over it, so each data-parallel replica keeps (and updates) a slice of the moments.
-    Unchanged when `data` is already used or no dimension splits evenly."""
+    """ZeRO-1 as MaxText adds `data` to an optimizer leaf: `data` becomes the outermost mesh axis of the
+    first dimension whose shard still splits evenly over it and whose axes do not include `tensor` (even
+    a size-1 `tensor`), so each data-parallel replica keeps (and updates) a slice of the moments.
+    Unchanged when `data` is already used or no dimension qualifies. A leaf whose layout does not
+    split evenly is refused (BadInput), as MaxText cannot shard it."""
     entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
+    for dim, (size, entry) in enumerate(zip(shape, entries)):
+        shards = math.prod(sizes[a] for a in rules.axes_of(entry))
+        if size % shards:
+            raise BadInput(f"shard_optimizer_over_data=true: a dimension of size {size} (shape {tuple(shape)}) "
+                           f"does not split evenly over {'x'.join(rules.axes_of(entry))} ({shards} shards); ZeRO-1 "
+                           f"needs even splits of the optimizer state")
     if any(DATA_AXIS in rules.axes_of(e) for e in entries):
         return spec
     for dim, (size, entry) in enumerate(zip(shape, entries)):
         axes = rules.axes_of(entry)
-        shards = math.prod(sizes[a] for a in axes)
-        if size % shards == 0 and (size // shards) % sizes[DATA_AXIS] == 0:
-            entries[dim] = (DATA_AXIS,) + axes if axes else DATA_AXIS
+        shard = size // math.prod(sizes[a] for a in axes)
+        if shard % sizes[DATA_AXIS] == 0 and TENSOR_AXIS not in axes:
+            entries[dim] = (DATA_AXIS,) + axes
             return PartitionSpec(*entries)
     return spec
 
