@@ -26,7 +26,7 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
     sizes = setup.plan.sizes
     rows: list[list[Any]] = []
     for t in sorted(layouts, key=lambda t: (GROUP_ORDER.get(t.group, 2), t.path)):
-        spec = serialize.spec_to_json(t.partition_spec, len(t.shape))
+        spec = specs.spec_to_json(t.partition_spec, len(t.shape))
         rows.append([t.path, diff.compact(list(t.shape)), diff.compact(list(t.logical_axes)),
                      diff.compact(spec if full_specs else specs.spec_to_json(spec, len(spec), sizes)),
                      diff.compact(list(t.per_device_shape)), tables.format_bytes(t.per_device_bytes)])

@@ -185,3 +185,13 @@ def test_diff_runs_without_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_check_and_show_take_a_factory_model(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    case = ["--model", "examples.nnx_lm:small_lm", *EXAMPLE_ARGS]
+    assert cli.main(["show", *case]) == 0
+    table = capsys.readouterr().out
+    assert "params/blocks/up/kernel" in table and '["layers","embed","mlp"]' in table
+    assert cli.main(["check", *case]) == 0
+    assert "clean" in capsys.readouterr().out
