@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING, Sequence
 
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, UnevenSplitWarning
 
 if TYPE_CHECKING:  # the commands import what they need when they run
     from sharding_dump.case import Case
@@ -209,9 +210,22 @@ def _cmd_list(argv: Sequence[str]) -> int:
 COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show}
 
 
+_SHOW_WARNING = warnings.showwarning
+
+
+def _warning_line(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
+    """Our warnings as one `sharding-dump: warning: ...` line on stderr (the exit status is unchanged)."""
+    if issubclass(category, UnevenSplitWarning):
+        print(f"sharding-dump: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _SHOW_WARNING(message, category, *args, **kwargs)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.simplefilter("always", UnevenSplitWarning)
+    warnings.showwarning = _warning_line
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])

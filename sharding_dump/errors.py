@@ -8,3 +8,8 @@ with status 2; nothing is written once a BadInput has been raised.
 
 class BadInput(Exception):
     """A user-facing input error: one line, no traceback, exit status 2."""
+
+
+class UnevenSplitWarning(UserWarning):
+    """A dumped case has leaves that do not split evenly over their mesh axes: XLA pads the last shard.
+    The dump still succeeds (exit 0); the CLI prints it as one `sharding-dump: warning:` line."""

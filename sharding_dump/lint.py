@@ -2,7 +2,6 @@
 
 - divisibility: a dimension split over mesh axes whose product does not divide it (XLA pads the last
   shard, or jit refuses the sharding);
-- mesh-axis: a model card rule naming a mesh axis the rule file lacks (it is dropped silently);
 - unknown-name: a rule for a logical axis that no tensor of any model carries and that the trainer does
   not define either (`data/lint.yml`), usually a typo;
 - replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
@@ -27,8 +26,7 @@ from sharding_dump.case import Case
 from sharding_dump.dump import CaseSetup, case_layouts
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import display
-from sharding_dump.models.config import card_path
-from sharding_dump.resources import DATA_DIR, load_yaml, validate, yaml_item_lines
+from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.state import TensorLayout, per_device_totals
 
 LINT_FILE = DATA_DIR / "lint.yml"
@@ -39,7 +37,7 @@ TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
 class Finding:
     """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
 
-    lint: str  # divisibility | mesh-axis | unknown-name | replicated | memory
+    lint: str  # divisibility | unknown-name | replicated | memory
     subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
     message: str
     details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
@@ -143,30 +141,11 @@ def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Fi
             for subject, problems in _fold(per_tensor) for message, rule in problems]
 
 
-def check_card_rules(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
-    """Model card rules dropped because they name a mesh axis the rule file does not declare."""
-    base = rules.load_rule(setup.case.rule)
-    path = card_path(setup.case.model)
-    lines = yaml_item_lines(path, "logical_axis_rules")
-    findings = []
-    for index, (name, axes) in enumerate(setup.config.logical_axis_rules):
-        missing = [a for a in rules.axes_of(axes) if a not in base.mesh_axes]
-        if not missing:
-            continue
-        carriers = [t.path for t in layouts if name in t.logical_axes and t.path.startswith("params/")]
-        where = f"{display(path)}:{lines[index]}" if index < len(lines) else display(path)
-        findings.append(Finding(
-            "mesh-axis", f"[{name}, {_axes_text(axes)}]",
-            f"model card rule names mesh axis {', '.join(repr(a) for a in missing)}, absent from mesh_axes "
-            f"[{', '.join(base.mesh_axes)}] of {display(base.path)}: it is dropped, so {len(carriers)} parameter(s) "
-            f"carrying '{name}' fall back to the rule file" + (f" (e.g. {carriers[0]})" if carriers else ""),
-            (f"rule: {where}  [{name}, {_axes_text(axes)}]",)))
-    return findings
-
-
-def check_names(setup: CaseSetup, known: frozenset[str]) -> list[Finding]:
-    """Rules for logical axes that no tensor of any model carries and that the trainer does not define."""
-    used = model_logical_axes() | known | set(setup.rule_set.input_data_sharding_logical_axes)
+def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLayout] = ()) -> list[Finding]:
+    """Rules for logical axes that no tensor of any model (the built-in ones and the case's own)
+    carries and that the trainer does not define."""
+    own = {n for t in layouts for n in t.logical_axes if n is not None}
+    used = model_logical_axes() | own | known | set(setup.rule_set.input_data_sharding_logical_axes)
     findings = []
     for index, (name, _) in enumerate(setup.rule_set.logical_axis_rules):
         if name not in used:
@@ -238,8 +217,7 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     settings = lint_settings()
     tolerance = settings.replicated_tolerance if tolerance is None else tolerance
     setup, layouts = case_layouts(case)
-    return (check_divisibility(setup, layouts) + check_card_rules(setup, layouts)
-            + check_names(setup, settings.known_logical_axes)
+    return (check_divisibility(setup, layouts) + check_names(setup, settings.known_logical_axes, layouts)
             + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
 
 

@@ -4,6 +4,11 @@ Sizes come from the `ici_<axis>_parallelism` / `dcn_<axis>_parallelism` settings
 rule file declares; one `-1` per kind fills what is left. The result is a
 `jax.sharding.AbstractMesh`: no devices, no backend, any size.
 
+On a TPU slice the ICI mesh must also fit the slice's physical torus, as MaxText's device mesh
+requires: each axis size a product of whole physical axes (chip grid x, y, z and the chip's cores)
+that no other axis uses. The check runs JAX's own device-mesh builder over stand-in devices with the
+slice's coordinates (:func:`check_torus`); `cpu-N` and GPU hosts take any shape.
+
 >>> from sharding_dump.rules import load_rule
 >>> from sharding_dump.topology import load_topology
 >>> from sharding_dump.settings import resolve
@@ -15,10 +20,13 @@ rule file declares; one `-1` per kind fills what is left. The result is a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 from typing import Any, Mapping
 
 import jax
+from jax._src import mesh_utils  # the builder MaxText's create_device_mesh calls; pinned jax version
 from jax.sharding import AbstractMesh, AxisType
 
 from sharding_dump.errors import BadInput
@@ -88,7 +96,53 @@ def plan_mesh(rule_set: RuleSet, topology: Topology, values: Mapping[str, Any],
                                f"(mesh_axes: {', '.join(axes)})")
     ici = _fill("ici", axes, values, topology.devices_per_slice, f"devices per slice of {topology.name}")
     dcn = _fill("dcn", axes, values, topology.num_slices, "slices (--num-slices)")
-    return MeshPlan(axes, ici, dcn)
+    plan = MeshPlan(axes, ici, dcn)
+    check_torus(plan, topology)
+    return plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StandInDevice:
+    """What JAX's device-mesh builder reads of a TPU device: kind, chip coordinates, core on the chip."""
+
+    id: int
+    coords: tuple[int, int, int]
+    core_on_chip: int
+    device_kind: str
+    platform: str = "tpu"
+    slice_index: int = 0
+
+
+@functools.cache
+def _torus_failure(device_kind: str, torus: tuple[int, ...], cores: int, ici: tuple[int, ...]) -> str | None:
+    """None when `jax.experimental.mesh_utils.create_device_mesh(ici, devices)` succeeds on one slice of
+    this torus, else its complaint."""
+    x, y, z = torus
+    devices = [_StandInDevice(index, (i, j, k), core, device_kind)
+               for index, (k, j, i, core) in enumerate((k, j, i, c) for k in range(z) for j in range(y)
+                                                       for i in range(x) for c in range(cores))]
+    try:
+        mesh_utils.create_device_mesh(list(ici), devices)
+    except (NotImplementedError, ValueError, AssertionError) as err:
+        return str(err)
+    return None
+
+
+def check_torus(plan: MeshPlan, topology: Topology) -> None:
+    """BadInput when the plan's ICI mesh cannot be laid on one slice of a TPU topology (MaxText would
+    fail to build its device mesh); names the axis that found no physical axes left."""
+    if topology.platform != "tpu" or topology.torus is None:
+        return
+    failure = _torus_failure(topology.device_kind, topology.torus, topology.devices_per_chip, plan.ici)
+    if failure is None:
+        return
+    physical = list(topology.torus) + ([topology.devices_per_chip] if topology.devices_per_chip > 1 else [])
+    listing = " x ".join(f"{a}={s}" for a, s in zip(plan.axis_names, plan.ici) if s != 1) or "all 1"
+    match = re.search(r"logical_axis_index (\d+) of size (\d+)", failure)
+    culprit = f"{plan.axis_names[int(match.group(1))]}={match.group(2)}" if match else "an axis"
+    raise BadInput(f"ici parallelism {listing}: does not fit the {topology.name} torus "
+                   f"({'x'.join(map(str, physical))} physical axes): {culprit} is not a product of physical axes "
+                   f"left free by the later mesh axes (each ICI axis size must be a product of whole physical axes)")
 
 
 def use_mesh(plan: MeshPlan, explicit: bool = False):

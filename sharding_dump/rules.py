@@ -22,6 +22,8 @@ from flax.linen import spmd  # deciding_rule replays flax's resolver step by ste
 from jax.sharding import PartitionSpec
 
 from sharding_dump import settings as settings_mod
+from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
+from sharding_dump.core.specs import rule_axes
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
 
@@ -29,6 +31,7 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 DEFAULT_INPUT_AXES = ("activation_embed_and_logits_batch", "activation_norm_length")
+BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +87,6 @@ def rule_path(ref: str) -> Path:
     return RULES_DIR / f"{ref}.yml"
 
 
-def _axes(value: Any) -> MeshAxes:
-    """YAML's list / string / null for a rule's mesh axes, as flax wants it (tuples, never lists)."""
-    if value is None or isinstance(value, str):
-        return value
-    return tuple(value)
-
-
 def load_rule(ref: str) -> RuleSet:
     """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path)."""
     path = rule_path(ref)
@@ -103,7 +99,7 @@ def load_rule(ref: str) -> RuleSet:
         if axis not in known:
             raise BadInput(f"{where}: field mesh_axes: {axis!r} is not a mesh axis sharding-dump can size "
                            f"(valid: {', '.join(sorted(known))})")
-    rules: Rules = tuple((name, _axes(axes)) for name, axes in data["logical_axis_rules"])
+    rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data["logical_axis_rules"])
     for index, (name, axes) in enumerate(rules):
         for axis in axes_of(axes):
             if axis not in mesh_axes:
@@ -141,21 +137,25 @@ def load_rule(ref: str) -> RuleSet:
     )
 
 
-def axes_of(axes: MeshAxes) -> tuple[str, ...]:
-    """The mesh axes a rule's right-hand side names, as a tuple."""
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+def is_base_rule(rule_set: RuleSet) -> bool:
+    """True for the packaged `default` rule file: MaxText's base rules, the only ones a model card's
+    rules are merged into (any other rule file replaces the rules wholesale)."""
+    return rule_set.path.resolve() == (RULES_DIR / f"{BASE_RULE}.yml").resolve()
 
 
 def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source: Path | None = None) -> RuleSet:
-    """Applies a model card's own rules the way MaxText merges them: every rule of the rule file with
-    the same logical name is dropped and the card's rules are appended. A card rule that names an axis
-    this mesh lacks is left out (the card cannot know every mesh; `sharding-dump check` reports it).
+    """Applies a model card's own rules the way MaxText merges them: every rule of the base rule file
+    with the same logical name is dropped and the card's rules are appended. Any other rule file is
+    returned unchanged: as in MaxText, a custom mesh-and-rule file replaces the merged rules wholesale.
+    A card rule that names an axis this mesh lacks is left out (the card cannot know every mesh).
     `source` is the card's file, so the merged rules keep pointing at the line that wrote them."""
+    if not is_base_rule(rule_set):
+        return rule_set
     lines = yaml_item_lines(source, "logical_axis_rules") if source is not None else []
     extra, extra_origins = [], []
     for index, (name, axes) in enumerate(overrides):
-        if all(a in rule_set.mesh_axes for a in axes_of(_axes(axes))):
-            extra.append((name, _axes(axes)))
+        if all(a in rule_set.mesh_axes for a in axes_of(rule_axes(axes))):
+            extra.append((name, rule_axes(axes)))
             if index < len(lines):
                 extra_origins.append((source, lines[index]))
     if not extra:

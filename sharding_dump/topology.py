@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import math
 import re
 
 from sharding_dump.errors import BadInput
@@ -33,6 +34,13 @@ class Topology:
     devices_per_host: int
     hbm_bytes_per_device: int | None  # None: no limit known (cpu-N)
     num_slices: int = 1
+    torus: tuple[int, ...] | None = None  # physical chip grid of one TPU slice (x, y, z); None off TPU
+    device_kind: str | None = None  # the chip's device kind, as JAX's device-mesh builder names it
+
+    @property
+    def devices_per_chip(self) -> int:
+        """JAX devices per chip (tpu7x: 2 TensorCores; 1 elsewhere)."""
+        return self.devices_per_slice // math.prod(self.torus) if self.torus else 1
 
     @property
     def num_devices(self) -> int:
@@ -52,6 +60,8 @@ def _table() -> dict[str, Topology]:
                 devices_per_slice=int(row["devices_per_slice"]),
                 devices_per_host=int(row["devices_per_host"]),
                 hbm_bytes_per_device=int(float(row["hbm_gib_per_device"]) * GIB),
+                torus=tuple(int(d) for d in row["torus"].split("x")) if row["torus"] else None,
+                device_kind=row["device_kind"] or None,
             )
             for row in rows
         }

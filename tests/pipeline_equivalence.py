@@ -5,7 +5,8 @@
 The pipeline's weights, reordered into one scanned stack (repeat, then stage, then layer within the
 stage; the layers left outside the pipeline last), must give the plain model's logits exactly: the
 schedule (state_io, circular storage, ppermute shifts) only moves activations, it never changes the
-arithmetic. One JSON line per schedule: {"schedule": [...], "max_abs_diff": x, "ppermute": bool}.
+arithmetic, whatever the stage layout (one layer, `layers_<k>`, or a scan of layers per stage).
+One JSON line per schedule: {"schedule": [...], "max_abs_diff": x, "ppermute": bool}.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 
-SCHEDULES = (  # (stages, microbatches, repeats, pipelined layers, model layers)
-    (2, 4, 1, 4, 4),  # plain GPipe-style
-    (2, 8, 2, 4, 6),  # circular with storage (M > N), two layers outside the pipeline
-    (4, 4, 2, 8, 8),  # circular, M = N: the last stage feeds the first straight through the shift
+SCHEDULES = (  # (stages, microbatches, repeats, layers per stage, scan them, model layers)
+    (2, 4, 1, 2, True, 4),  # plain GPipe-style, two scanned layers per stage
+    (2, 8, 2, 1, False, 6),  # circular with storage (M > N), one layer per stage, two layers outside
+    (4, 4, 1, 2, False, 8),  # M = N, two unscanned layers per stage (layers_0, layers_1)
 )
 RULES = (("layers", "stage"), ("activation_stage", "stage"), ("embed", "fsdp"), ("activation_batch", "fsdp"))
 
 
-def max_difference(stages: int, microbatches: int, repeats: int, pipelined: int, layers: int) -> dict:
+def max_difference(stages: int, microbatches: int, repeats: int, per_stage: int, scanned: bool, layers: int) -> dict:
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -32,7 +33,9 @@ def max_difference(stages: int, microbatches: int, repeats: int, pipelined: int,
 
     plain = dataclasses.replace(models.load_config("qwen3-0.6b"), emb_dim=16, num_query_heads=2, num_kv_heads=1,
                                 head_dim=8, mlp_dim=32, num_decoder_layers=layers, vocab_size=64, dtype="float32")
-    piped = dataclasses.replace(plain, pipeline=PipelineConfig(stages, microbatches, repeats, pipelined))
+    pipelined = stages * repeats * per_stage
+    piped = dataclasses.replace(plain, pipeline=PipelineConfig(stages, microbatches, repeats, pipelined, per_stage,
+                                                               scanned))
     mesh = jax.make_mesh((stages, 4 // stages), ("stage", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, plain.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -44,12 +47,18 @@ def max_difference(stages: int, microbatches: int, repeats: int, pipelined: int,
 
     lead = 2 if repeats > 1 else 1  # [R,] N leading dims of every pipeline weight
 
-    def as_scan(w: jax.Array) -> jax.Array:  # [R,] N, a, L/(N R), ... -> a, L, ...
+    def as_scan(w: jax.Array) -> jax.Array:  # [R,] N, a, K, ... -> a, R N K, ...
         w = jnp.moveaxis(w, tuple(range(lead)), tuple(range(1, lead + 1)))
         return w.reshape((w.shape[0], -1) + w.shape[lead + 2:])
 
     decoder = dict(params["decoder"])
-    stack = jax.tree.map(as_scan, decoder.pop("layers")["stages"])
+    stages_tree = decoder.pop("layers")["stages"]
+    if per_stage == 1:  # [R,] N, a, ...: no layer axis of its own
+        stages_tree = jax.tree.map(lambda w: jnp.expand_dims(w, lead + 1), stages_tree)
+    elif not scanned:  # layers_<k>/... each [R,] N, a, ...: stack them at the scan position
+        stages_tree = jax.tree.map(lambda *ws: jnp.stack(ws, axis=lead + 1),
+                                   *(stages_tree[f"layers_{k}"] for k in range(per_stage)))
+    stack = jax.tree.map(as_scan, stages_tree)
     if "layers_outside_pipeline" in decoder:
         stack = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), stack,
                              decoder.pop("layers_outside_pipeline"))
@@ -59,7 +68,7 @@ def max_difference(stages: int, microbatches: int, repeats: int, pipelined: int,
         got = jax.jit(pipe_model.apply)({"params": params}, tokens, positions)
         traced = str(jax.make_jaxpr(pipe_model.apply)({"params": params}, tokens, positions))
     want = jax.jit(plain_model.apply)({"params": plain_params}, tokens, positions)
-    return {"schedule": [stages, microbatches, repeats, pipelined, layers],
+    return {"schedule": [stages, microbatches, repeats, per_stage, scanned, layers],
             "max_abs_diff": float(jnp.max(jnp.abs(got - want))), "scale": float(jnp.max(jnp.abs(want))),
             "ppermute": "ppermute" in traced}
 

@@ -14,10 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Logical axes of the activations MaxText constrains inside attention.
-ATTENTION_INPUT = ("activation_batch_attn", "activation_length", "activation_embed")
-QKV = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
-ATTENTION_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv")
+# Logical axes of the activations MaxText's standard attention constrains in training (inputs, q/k/v,
+# output before the out projection): the `_attn` names of its attention layer.
+ATTENTION_INPUT = ("activation_batch_attn", "activation_input_length_attn", "activation_embed_attn")
+QKV = ("activation_kv_batch", "activation_length_attn", "activation_kv_heads", "activation_kv_head_dim")
+ATTENTION_OUT = ("activation_batch_attn", "activation_length_attn", "activation_heads", "activation_kv")
+# Latent attention (DeepSeek's MLA) keeps the older, non-attention names for the same three points.
+MLA_INPUT = ("activation_batch_attn", "activation_length", "activation_embed")
+MLA_QKV = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
+MLA_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv")
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scale: float,

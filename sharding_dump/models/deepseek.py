@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from sharding_dump.activations import constrain
-from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
+from sharding_dump.models.attention import MLA_INPUT, MLA_OUT, MLA_QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import MlpBlock
 from sharding_dump.models.layers import Dense, Embed, RMSNorm, output_logits, scan_layers
-from sharding_dump.models.pipeline import apply_layer_stack
+from sharding_dump.models.pipeline import apply_layer_stack, stage_as_data
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary, yarn_mscale
 
@@ -63,9 +63,9 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q = Dense(cfg, head, ("embed",), ("q_heads", "kv"), name="query")(x)
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        q_nope = constrain(q_nope, QKV, "q_nope")
-        q_pe = constrain(apply_rotary(q_pe, positions, cfg), QKV, "q_pe")
-        return constrain(jnp.concatenate([q_nope, q_pe], axis=-1) * softmax_scale(self.cfg), QKV, "query")
+        q_nope = constrain(q_nope, MLA_QKV, "q_nope")
+        q_pe = constrain(apply_rotary(q_pe, positions, cfg), MLA_QKV, "q_pe")
+        return constrain(jnp.concatenate([q_nope, q_pe], axis=-1) * softmax_scale(self.cfg), MLA_QKV, "query")
 
     def project_key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
@@ -78,19 +78,19 @@ class MultiHeadLatentAttention(nn.Module):
                    ("kv_heads", "kv_head_dim"), name="wkv_b")(latent)
         key_nope, value = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
         key_rope = jnp.broadcast_to(key_rope, key_nope.shape[:-1] + (cfg.qk_rope_head_dim,))
-        key_nope = constrain(key_nope, QKV, "key_nope")
-        key_rope = constrain(key_rope, QKV, "key_rope")
-        key = constrain(jnp.concatenate([key_nope, key_rope], axis=-1), QKV, "key")
-        return key, constrain(value, QKV, "value")
+        key_nope = constrain(key_nope, MLA_QKV, "key_nope")
+        key_rope = constrain(key_rope, MLA_QKV, "key_rope")
+        key = constrain(jnp.concatenate([key_nope, key_rope], axis=-1), MLA_QKV, "key")
+        return key, constrain(value, MLA_QKV, "value")
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        inputs_q = constrain(x, ATTENTION_INPUT, "inputs_q")
-        inputs_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
+        inputs_q = constrain(x, MLA_INPUT, "inputs_q")
+        inputs_kv = constrain(x, MLA_INPUT, "inputs_kv")
         query = self.project_query(inputs_q, positions)
         key, value = self.project_key_value(inputs_kv, positions)
         out = causal_attention(query, key, value, scale=1.0)  # the query already carries the scale
-        out = constrain(out, ATTENTION_OUT, "out")
+        out = constrain(out, MLA_OUT, "out")
         return Dense(self.cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
 
 
@@ -102,7 +102,7 @@ class RoutedAndSharedExperts(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        out = RoutedExperts(cfg, name="MoeBlock_0")(x)
+        out = RoutedExperts(cfg, gate_embed_axis="embed_moe", name="MoeBlock_0")(x)
         if cfg.shared_experts:
             out = out + MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(x)
         return out
@@ -142,11 +142,17 @@ class DeepSeekDecoder(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         if cfg.first_num_dense_layers:
-            dense = scan_layers(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers")
-            x, _ = dense(cfg, name="dense_layers")(x, positions)
-        # The MoE stack is the one a pipeline cuts into stages (cfg.pipelined_stack_layers).
+            dense = scan_layers(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers")(cfg, name="dense_layers")
+            if cfg.pipeline is None:
+                x, _ = dense(x, positions)
+            else:
+                # As in MaxText, the dense layers are not pipelined: `stage` splits their batch like data.
+                with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
+                    x, _ = dense(x, positions)
+        # The MoE stack is the one a pipeline cuts into stages (cfg.pipelined_stack_layers); MoE layers it
+        # leaves out run before it, after the dense ones.
         x = apply_layer_stack(cfg, DeepSeekMoeLayer, cfg.num_moe_layers, x, positions, name="moe_layers",
-                              layer_axis="moe_layers")
+                              layer_axis="moe_layers", outside_first=True)
         return output_logits(cfg, x)
 
 

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 
 from sharding_dump.activations import constrain
+from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope, output_logits
 from sharding_dump.models.pipeline import apply_layer_stack
@@ -61,8 +62,8 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         head_dim = cfg.resolved_head_dim
-        x_q = constrain(x, ("activation_batch_attn", "activation_length", "activation_embed"), "inputs_q")
-        x_kv = constrain(x, ("activation_batch_attn", "activation_length", "activation_embed"), "inputs_kv")
+        x_q = constrain(x, ATTENTION_INPUT, "inputs_q")
+        x_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
         q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), name="query")(x_q)
         k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
         v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
@@ -71,13 +72,11 @@ class Attention(nn.Module):
             k = RMSNorm(cfg, name="key_norm")(k)
         q = apply_rope(q, positions, cfg.rope_max_timescale)
         k = apply_rope(k, positions, cfg.rope_max_timescale)
-        qkv_axes = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
-        q = constrain(q, qkv_axes, "query")
-        k = constrain(k, qkv_axes, "key")
-        v = constrain(v, qkv_axes, "value")
+        q = constrain(q, QKV, "query")
+        k = constrain(k, QKV, "key")
+        v = constrain(v, QKV, "value")
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        out = constrain(out, ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv"),
-                        "attention_out")
+        out = constrain(out, ATTENTION_OUT, "attention_out")
         return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
 
 

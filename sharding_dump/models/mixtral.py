@@ -29,7 +29,6 @@ from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.pipeline import apply_layer_stack
 
 BLE = ("activation_batch", "activation_norm_length", "activation_embed")
-GATE_AXES = ("embed", None)  # MaxText's Mixtral and Qwen3-MoE layers shard the router like a dense kernel
 
 
 class MixtralDecoderLayer(nn.Module):
@@ -46,7 +45,7 @@ class MixtralDecoderLayer(nn.Module):
         h = constrain(Attention(cfg, name="self_attention")(h, positions), BLE, "attention_result")
         x = x + h
         h = constrain(RMSNorm(cfg, name="post_self_attention_layer_norm")(x), BLE, "post_attention_norm")
-        h = constrain(RoutedExperts(cfg, GATE_AXES, name=self.experts_name)(h), BLE, "mlp_output")
+        h = constrain(RoutedExperts(cfg, name=self.experts_name)(h), BLE, "mlp_output")
         return constrain(x + h, BLE, "layer_output"), None
 
 

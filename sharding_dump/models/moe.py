@@ -3,7 +3,7 @@ a gated MLP, and the token's output is the router-weighted sum of its experts' o
 
 Parameters (before the layer axis is inserted at position 1 by the scan)::
 
-    gate/kernel        (embed_moe, None)           router
+    gate/kernel        (embed, None)               router (DeepSeek's: (embed_moe, None))
     gate/bias          (None,)                     [routed_bias]
     wi_0, wi_1         (exp, embed_moe, mlp_moe)   expert up-projections
     wo                 (exp, mlp_moe, embed_moe)   expert down-projection
@@ -71,15 +71,16 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[
 
 
 class Router(nn.Module):
-    """Router logits (batch, length, num_experts) and its optional per-expert bias."""
+    """Router logits (batch, length, num_experts) and its optional per-expert bias. The kernel's input
+    axis is named by the caller: MaxText gives gpt-oss's router `embed`, DeepSeek's `embed_moe`."""
 
     cfg: ModelConfig
-    kernel_axes: tuple[str | None, ...] = ("embed_moe", None)
+    embed_axis: str = "embed"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         cfg = self.cfg
-        kernel = weight_param(self, "kernel", (x.shape[-1], cfg.num_experts), self.kernel_axes, cfg)
+        kernel = weight_param(self, "kernel", (x.shape[-1], cfg.num_experts), (self.embed_axis, None), cfg)
         logits = jnp.tensordot(x.astype(jnp.float32), kernel.astype(jnp.float32), axes=1)
         bias = None
         if cfg.routed_bias:
@@ -88,10 +89,11 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Router plus `num_experts` gated MLPs of width `moe_mlp_dim`."""
+    """Router plus `num_experts` gated MLPs of width `moe_mlp_dim`; `gate_embed_axis` names the
+    router kernel's input axis."""
 
     cfg: ModelConfig
-    gate_axes: tuple[str | None, ...] = ("embed_moe", None)  # Mixtral, Qwen3-MoE: ("embed", None)
+    gate_embed_axis: str = "embed"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -99,7 +101,7 @@ class RoutedExperts(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         experts, embed, width = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
         x = constrain(x, ROUTER_AXES, "inputs")
-        logits, bias = Router(cfg, self.gate_axes, name="gate")(x)
+        logits, bias = Router(cfg, self.gate_embed_axis, name="gate")(x)
         logits = constrain(logits.astype(dtype), ROUTER_AXES, "gate_logits")
         weights, indices = route(cfg, logits, bias)
         combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, experts, dtype=jnp.float32), weights)

@@ -1,18 +1,28 @@
-"""Pipeline parallelism over the `stage` mesh axis, for any decoder's scanned layer stack.
+"""Pipeline parallelism over the `stage` mesh axis, for any decoder's layer stack, laid out as MaxText
+lays it out.
 
 With `ici_pipeline_parallelism` x `dcn_pipeline_parallelism` = N > 1 stages, the first
-`pipeline_parallel_layers` layers (all by default) are cut into N stages, each repeated
-`num_pipeline_repeats` = R times round the ring (circular pipelining); each stage scans its
-L / (N R) layers. The batch is cut into `num_pipeline_microbatches` = M microbatches that move through
-the stages one iteration at a time. Layers left over run after the pipeline as a plain scan, with
-`stage` acting as one more data axis for their activations.
+`pipeline_parallel_layers` = P layers (all by default; DeepSeek: all MoE layers) are cut into N
+stages of `num_layers_per_pipeline_stage` = K layers (default 1), repeated
+`num_pipeline_repeats` = R times round the ring (circular pipelining; default -1: R = P / (N K)).
+MaxText's consistency rule holds: N x R x K = P. The batch is cut into `num_pipeline_microbatches` = M
+microbatches that move through the stages one iteration at a time. Layers left out of the pipeline
+run as a plain scan with `stage` acting as one more data axis for their activations: after the
+pipeline (logical layer axis `layers_outside_pipeline`), or, for DeepSeek, before it together with
+the dense layers (`moe_layers`).
 
-Weights (what the goldens see): every stacked weight gets the stage at axis 0, named `layers` (mapped
-to `stage` by the rules), the repeat before it, named `circular_repeats`, and the layers of one stage at
-the usual scan position, named `layers_per_stage`::
+Weights (what the goldens see): a stage's weights get the stage at axis 0, named `layers` (mapped to
+`stage` by the rules), and the repeat before it, named `circular_repeats` (when R > 1). A stage of one
+layer has no further layer axis; a stage of K > 1 layers holds `layers_0` .. `layers_<K-1>` (or, with
+`scan_layers_per_stage=true`, one scan whose layer axis `layers_per_stage` sits at position 1)::
 
-    decoder/layers/stages/mlp/wi_0/kernel  [R,] N, embed, L/(N R), mlp
-                                           ([circular_repeats,] layers, embed, layers_per_stage, mlp)
+    K = 1:        decoder/layers/stages/mlp/wi_0/kernel            [R,] N, embed, mlp
+    K > 1:        decoder/layers/stages/layers_<k>/mlp/wi_0/kernel [R,] N, embed, mlp
+    K > 1, scan:  decoder/layers/stages/mlp/wi_0/kernel            [R,] N, embed, K, mlp
+
+For gpt-oss the unit of the stack is a block of `inhomogeneous_layer_cycle_interval` layers, so P and
+K count blocks (MaxText pipelines the same blocks but counts them as layers, which would stack twice
+the model's layers; we keep the model's own size).
 
 Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
 
@@ -23,14 +33,15 @@ Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
 * the outputs move one stage on: a `jax.lax.ppermute` ring shift inside `jax.shard_map` over `stage`;
   `state_io` moves one stage back the same way, the last stage's output entering at the end.
 
-All stage buffers are constrained with `activation_stage` at axis 0.
+All stage buffers are constrained with `activation_stage` at axis 0. As in MaxText, a pipelined run
+puts `stage` first in the `activation_embed_and_logits_batch` rule (:func:`pipeline_rules`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import flax.linen as nn
 import jax
@@ -39,6 +50,7 @@ from jax.sharding import PartitionSpec
 
 from sharding_dump import activations
 from sharding_dump import rules as rules_mod
+from sharding_dump import settings as settings_mod
 from sharding_dump.activations import constrain
 from sharding_dump.errors import BadInput
 from sharding_dump.models.layers import scan_layers
@@ -51,8 +63,13 @@ STAGE_AXIS = "stage"  # the mesh axis
 STAGE_LOGICAL = "layers"  # the logical name of a weight's stage dimension
 REPEAT_LOGICAL = "circular_repeats"
 LAYERS_PER_STAGE_LOGICAL = "layers_per_stage"
+OUTSIDE_LOGICAL = "layers_outside_pipeline"  # layer axis of the layers a pipeline leaves out (no rule: unsharded)
 STAGE_BUFFER_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
-PIPELINE_SETTINGS = ("num_pipeline_microbatches", "num_pipeline_repeats", "pipeline_parallel_layers")
+# Pipeline settings and their defaults (data/settings.yml): a run without a pipeline must leave them so.
+PIPELINE_SETTINGS = {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1, "pipeline_parallel_layers": -1,
+                     "num_layers_per_pipeline_stage": 1, "scan_layers_per_stage": False}
+# MaxText's pipelined runs split the embedding and logits batch over these axes, `stage` first.
+PIPELINE_LOGITS_BATCH = ("activation_embed_and_logits_batch", ("stage", "data", "fsdp", "fsdp_transpose", "expert"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +80,8 @@ class PipelineConfig:
     num_microbatches: int
     num_repeats: int
     num_layers: int  # layers inside the pipeline
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.num_layers // (self.num_stages * self.num_repeats)
+    layers_per_stage: int = 1
+    scan_layers_per_stage: bool = False
 
     @property
     def microbatches_per_stage(self) -> int:
@@ -93,11 +108,13 @@ def plan_pipeline(values: Mapping[str, Any], plan: "MeshPlan", rule_set: rules_m
                   num_layers: int) -> PipelineConfig | None:
     """The pipeline of a case (None when the `stage` axis is 1), or BadInput naming the setting at fault.
 
-    `num_layers` is the length of the stack the decoder pipelines (all of a dense model's layers)."""
+    `num_layers` is the length of the stack the decoder pipelines (all of a dense model's layers, the
+    MoE layers of a model with leading dense ones). Defaults and the consistency rule are MaxText's:
+    repeats = pipeline_parallel_layers / (stages x num_layers_per_pipeline_stage) when -1, and
+    stages x repeats x num_layers_per_pipeline_stage = pipeline_parallel_layers."""
     stages = plan.sizes.get(STAGE_AXIS, 1)
-    micro, repeats, layers = (int(values[key]) for key in PIPELINE_SETTINGS)
     if stages == 1:
-        given = [f"{key}={values[key]}" for key, default in zip(PIPELINE_SETTINGS, (-1, 1, -1))
+        given = [f"{key}={settings_mod.format_value(values[key])}" for key, default in PIPELINE_SETTINGS.items()
                  if values[key] != default]
         if given:
             where = ("the 'stage' mesh axis is 1" if STAGE_AXIS in plan.axis_names
@@ -110,6 +127,7 @@ def plan_pipeline(values: Mapping[str, Any], plan: "MeshPlan", rule_set: rules_m
         if spec[0] not in (STAGE_AXIS, (STAGE_AXIS,)):
             raise BadInput(f"rule '{rule_set.name}': a pipeline needs logical axis '{logical}' on mesh axis 'stage' "
                            f"(got {spec[0]!r})")
+    micro, repeats, layers, per_stage = (int(values[key]) for key in list(PIPELINE_SETTINGS)[:4])
     if micro == -1:
         micro = stages
     if micro < 1 or micro % stages:
@@ -117,13 +135,28 @@ def plan_pipeline(values: Mapping[str, Any], plan: "MeshPlan", rule_set: rules_m
     if layers == -1:
         layers = num_layers
     if not 1 <= layers <= num_layers:
-        raise BadInput(f"pipeline_parallel_layers={layers}: must be -1 (all) or between 1 and the model's "
-                       f"{num_layers} layers")
-    if layers % (stages * repeats):
-        what = "pipeline_parallel_layers" if values["pipeline_parallel_layers"] != -1 else "the model's layers"
-        raise BadInput(f"{what} ({layers}) must be divisible by stages x repeats = {stages} x {repeats}"
-                       f" (set pipeline_parallel_layers to a multiple of {stages * repeats})")
-    return PipelineConfig(stages, micro, repeats, layers)
+        raise BadInput(f"pipeline_parallel_layers={layers}: must be -1 (all) or between 1 and the "
+                       f"{num_layers} layers the pipeline can take")
+    if repeats == -1:
+        repeats, remainder = divmod(layers, stages * per_stage)
+        if remainder or not repeats:
+            raise BadInput(f"num_layers_per_pipeline_stage={per_stage} x {stages} stages = {stages * per_stage} "
+                           f"must divide pipeline_parallel_layers ({layers}; -1 means the {num_layers} layers the "
+                           f"pipeline can take)")
+    if stages * repeats * per_stage != layers:
+        raise BadInput(f"num_pipeline_repeats={repeats}: stages x repeats x num_layers_per_pipeline_stage = "
+                       f"{stages} x {repeats} x {per_stage} = {stages * repeats * per_stage} must equal "
+                       f"pipeline_parallel_layers ({layers}; -1 means the {num_layers} layers the pipeline can take)")
+    return PipelineConfig(stages, micro, repeats, layers, per_stage, bool(values["scan_layers_per_stage"]))
+
+
+def pipeline_rules(rule_set: rules_mod.RuleSet) -> rules_mod.RuleSet:
+    """The rules of a pipelined run: MaxText puts `stage` first in every `activation_embed_and_logits_batch`
+    rule (axes this mesh lacks left out), so the embeddings, logits and input batch split over stages."""
+    name, axes = PIPELINE_LOGITS_BATCH
+    axes = tuple(a for a in axes if a in rule_set.mesh_axes)
+    changed = tuple((n, axes if n == name else a) for n, a in rule_set.logical_axis_rules)
+    return dataclasses.replace(rule_set, logical_axis_rules=changed)
 
 
 def stage_as_data(rules: rules_mod.Rules) -> rules_mod.Rules:
@@ -139,11 +172,39 @@ def stage_as_data(rules: rules_mod.Rules) -> rules_mod.Rules:
     return tuple(out)
 
 
+class SequentialLayers(nn.Module):
+    """`count` copies of `layer` applied one after another, named `layers_<i>`: a stage of several
+    layers that is not scanned. Subclassed per (layer, count) by :func:`_stage_module`."""
+
+    cfg: "ModelConfig"
+    layer: ClassVar[type[nn.Module]]
+    count: ClassVar[int]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        for index in range(self.count):
+            x, _ = self.layer(self.cfg, name=f"layers_{index}")(x, positions)
+        return x, None
+
+
+@functools.cache
+def _sequential(layer: type[nn.Module], count: int) -> type[nn.Module]:
+    return type(f"Sequential{layer.__name__}", (SequentialLayers,), {"layer": layer, "count": count})
+
+
+def _stage_module(layer: type[nn.Module], pp: PipelineConfig) -> type[nn.Module]:
+    """The layers of one stage as a module class: the layer itself, `layers_<i>`, or a scan of them."""
+    if pp.layers_per_stage == 1:
+        return layer
+    if pp.scan_layers_per_stage:
+        return scan_layers(layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL)
+    return _sequential(layer, pp.layers_per_stage)
+
+
 def _stacked_stages(layer: type[nn.Module], pp: PipelineConfig) -> type[nn.Module]:
-    """The weight holder: a stage's scanned layers, vmapped over stages (and repeats)."""
-    stacked = nn.vmap(scan_layers(layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL),
-                      variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0),
-                      metadata_params={nn.PARTITION_NAME: STAGE_LOGICAL})
+    """The weight holder: a stage's layers, vmapped over stages (and repeats)."""
+    stacked = nn.vmap(_stage_module(layer, pp), variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(0, 0), metadata_params={nn.PARTITION_NAME: STAGE_LOGICAL})
     if pp.num_repeats > 1:
         stacked = nn.vmap(stacked, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0),
                           metadata_params={nn.PARTITION_NAME: REPEAT_LOGICAL})
@@ -237,7 +298,7 @@ class Pipeline(nn.Module):
         # Reading a boxed weight applies its logical constraint, as flax does for self.param.
         weights = jax.tree.map(lambda b: b.unbox() if _is_box(b) else b, self.variables["params"]["stages"],
                                is_leaf=_is_box)
-        stage_stack = scan_layers(self.layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL)(self.cfg)
+        stage_stack = _stage_module(self.layer, pp)(self.cfg)
         stage_path = tuple(self.path) + ("stages",)
 
         def stage_fn(stage_weights: Any, inputs: jax.Array, stage_positions: jax.Array) -> jax.Array:
@@ -249,20 +310,30 @@ class Pipeline(nn.Module):
 
 
 def apply_layer_stack(cfg: "ModelConfig", layer: type[nn.Module], num_layers: int, x: jax.Array,
-                      positions: jax.Array, name: str = "layers", layer_axis: str = "layers") -> jax.Array:
+                      positions: jax.Array, name: str = "layers", layer_axis: str = "layers",
+                      outside_first: bool = False) -> jax.Array:
     """`num_layers` copies of `layer` over x, scanned, or pipelined when `cfg.pipeline` is set.
 
     Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`
     (and `<name>_outside_pipeline` for the layers the pipeline leaves out). Scanned weights carry the
     logical name `layer_axis` on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE stack);
-    pipelined ones carry `layers` (on `stage`) and `layers_per_stage`."""
+    pipelined ones carry `layers` (on `stage`). The layers a pipeline leaves out run under
+    :func:`stage_as_data` rules, after the pipeline with layer axis `layers_outside_pipeline`, or before
+    it with layer axis `layer_axis` when `outside_first` (DeepSeek, as MaxText orders them)."""
     pp = cfg.pipeline
     if pp is None:
         x, _ = scan_layers(layer, num_layers, layer_axis)(cfg, name=name)(x, positions)
         return x
-    x = Pipeline(cfg, layer, name=name)(x, positions)
     rest = num_layers - pp.num_layers
-    if rest:
+
+    def outside(x: jax.Array, axis: str) -> jax.Array:
         with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-            x, _ = scan_layers(layer, rest, layer_axis)(cfg, name=f"{name}_outside_pipeline")(x, positions)
+            x, _ = scan_layers(layer, rest, axis)(cfg, name=f"{name}_outside_pipeline")(x, positions)
+        return x
+
+    if rest and outside_first:
+        x = outside(x, layer_axis)
+    x = Pipeline(cfg, layer, name=name)(x, positions)
+    if rest and not outside_first:
+        x = outside(x, OUTSIDE_LOGICAL)
     return x
