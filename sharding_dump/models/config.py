@@ -197,7 +197,7 @@ def _registered_card_dirs() -> list[tuple[str, Path]]:
             raise BadInput(f"{where}: cannot be loaded ({type(err).__name__}: {err})") from None
         if not isinstance(target, (str, Path)) or not Path(target).is_dir():
             raise BadInput(f"{where}: gives {target!r}, not a directory of model card files")
-        found.append((f"{where}", Path(target)))
+        found.append((where, Path(target)))
     return found
 
 
@@ -311,7 +311,7 @@ def check_card_block(card: dict[str, Any], where: str) -> None:
         a, b = card.get(first, _default(first)), card.get(second, _default(second))
         if a != b:
             raise BadInput(f"{where}: field {first}: {json.dumps(a)} must equal {second} ({json.dumps(b)}): "
-                           f"decoder block {name!r} reads only {first}")
+                           f"decoder block {name!r} builds both from one value")
 
 
 def check_card_consistency(card: dict[str, Any], where: str) -> None:
