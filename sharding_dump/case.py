@@ -65,12 +65,12 @@ class Case:
     @property
     def label(self) -> str:
         """A short id for test names and progress lines."""
-        return f"{self.model}/{self.topology}/slice_{self.num_slices}/{self.name}"
+        return f"{self.model_ref.label}/{self.topology}/slice_{self.num_slices}/{self.name}"
 
     def header(self) -> dict[str, Any]:
         """The case as recorded in every golden file."""
         return {
-            "model": self.model,
+            "model": self.model_ref.label,
             "topology": self.topology,
             "num_slices": self.num_slices,
             "rule": self.rule_name,

@@ -1,12 +1,14 @@
 """How a case names its model: a shipped card, or a factory in the user's own code.
 
 * `llama2-7b`: a model card shipped with the package (or registered by an installed package);
+* `path/to/card.yml` (or `.yaml`): a card file of the user's, named by its `name` field;
 * `package.module:factory`: a zero-argument callable in the user's code returning a Flax linen
   module or an NNX module (or a factory of one), called as `module(tokens)` (plus `positions=` when
   its `__call__` takes it) and returning logits `[batch, length, vocab]`.
 
-A factory's golden folder is its reference with `:` replaced by `-` (`examples.linen_lm-tiny_lm`):
-letters, digits, `.`, `_` and `-` only, so no name from the command line can leave the golden tree.
+A card's golden folder is its card name (lower-case letters, digits, `.` and `-`, by the card schema);
+a factory's is its reference with `:` replaced by `-` (`examples.linen_lm-tiny_lm`): letters,
+digits, `.`, `_` and `-` only, so no name from the command line can leave the golden tree.
 The working directory is importable, as for `python -m`.
 
 >>> ref = parse_model_ref("examples.linen_lm:tiny_lm")
@@ -36,14 +38,15 @@ class ModelRef:
 
     text: str
     kind: str
+    card_name: str = ""  # a card's `name` field (a card given by path is called by it)
 
     @property
     def label(self) -> str:
-        return self.text
+        return self.card_name or self.text
 
     @property
     def folder_name(self) -> str:
-        return self.text.replace(":", "-")
+        return self.card_name or self.text.replace(":", "-")
 
 
 def is_factory_ref(text: str) -> bool:
@@ -61,8 +64,8 @@ def parse_model_ref(text: str) -> ModelRef:
         return ModelRef(text, "factory")
     from sharding_dump import models
 
-    models.check_model_name(text)
-    return ModelRef(text, "card")
+    name, _ = models.resolve_model(text)
+    return ModelRef(text, "card", name)
 
 
 def load_factory(text: str) -> Callable[[], Any]:
