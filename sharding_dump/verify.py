@@ -272,10 +272,13 @@ def _shards(sharding: str, rank: int) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Replicated:
-    """A value held whole by every device after sharding propagation."""
+    """A large value every device holds whole: so annotated after sharding propagation
+    (`propagation`), or gathered whole by the partitioner (`all-gather`, e.g. a layer stack split on
+    its layer axis, which the scan can only slice once it is gathered)."""
 
+    where: str  # propagation | all-gather
     shape: str
-    bytes: int
+    bytes: int  # per device
     op_name: str
     count: int  # instructions of that shape and source
 
@@ -299,8 +302,30 @@ def replicated_values(hlo: str, threshold: int) -> list[Replicated]:
             shape = inst.type.split("{", 1)[0]
             entry = found.setdefault((shape, op.group(1) if op else inst.opcode), [size, 0])
             entry[1] += 1
-    values = [Replicated(shape, size, op, count) for (shape, op), (size, count) in found.items()]
+    return _grouped("propagation", found)
+
+
+def _grouped(where: str, found: dict[tuple[str, str], list[int]]) -> list[Replicated]:
+    values = [Replicated(where, shape, size, op, count) for (shape, op), (size, count) in found.items()]
     return sorted(values, key=lambda v: (-v.bytes, v.op_name, v.shape))
+
+
+def gathered_values(hlo: str, threshold: int) -> list[Replicated]:
+    """All-gathers of the compiled (partitioned) module whose result, on one device, is at least
+    `threshold` bytes: values the partitioner rebuilds whole, with or without a warning."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for insts in computations(hlo)[0].values():
+        for inst in insts:
+            if _collective_kind(inst.opcode) != "all-gather":
+                continue
+            size = _result_bytes(inst)
+            if size < threshold:
+                continue
+            op = _OP_NAME.search(inst.text)
+            shape = inst.type if not inst.type.startswith("(") else _tuple_items(inst.type)[-1]
+            entry = found.setdefault((re.sub(r"\{[^}]*\}", "", shape), op.group(1) if op else inst.opcode), [size, 0])
+            entry[1] += 1
+    return _grouped("all-gather", found)
 
 
 # --- XLA's log: involuntary full rematerializations --------------------------------------------------
@@ -388,7 +413,7 @@ class CaseResult:
             out.append(f"{len(self.remats)} involuntary full rematerialization{'s' * (len(self.remats) != 1)}")
         if self.replicated:
             out.append(f"{len(self.replicated)} value{'s' * (len(self.replicated) != 1)} of "
-                       f"{format_bytes(self.threshold)} or more replicated on every device")
+                       f"{format_bytes(self.threshold)} or more held whole by every device")
         if self.golden_missing:
             out.append(f"no golden to compare the compiled shardings with (create it with: {self.golden_missing})")
         if self.mismatches:
@@ -451,11 +476,9 @@ def _golden_specs(case: Any, root: Path) -> dict[str, Any] | None:
 def _child_env(devices: int, tpu: bool) -> dict[str, str]:
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    if not tpu:
+    if not tpu:  # with --tpu the devices come from libtpu's topology description, no backend needed
         flags.append(f"--xla_force_host_platform_device_count={devices}")
-        env["JAX_PLATFORMS"] = "cpu"
-    else:
-        env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1])] +
                                         [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -607,7 +630,7 @@ def render_case(r: CaseResult, fmt: str = "text") -> str:
         lines.append(f"{bullet}[remat] {wrap(remat.op_name or remat.instruction)} {remat.shape}: "
                      f"{wrap(remat.from_sharding)} -> {wrap(remat.to_sharding)}")
     for value in r.replicated[:MAX_LISTED]:
-        lines.append(f"{bullet}[replicated] {wrap(value.op_name)} {value.shape} {format_bytes(value.bytes)}"
+        lines.append(f"{bullet}[replicated, {value.where}] {wrap(value.op_name)} {value.shape} {format_bytes(value.bytes)}"
                      + (f" ({value.count} instructions)" if value.count > 1 else ""))
     for path, golden, compiled in r.mismatches[:MAX_LISTED]:
         lines.append(f"{bullet}[sharding] {wrap(path)}: golden {json.dumps(golden)}, compiled {json.dumps(compiled)}")

@@ -117,12 +117,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             memory = compiled.memory_analysis()
             answer["memory"] = {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
                                 "alias": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes}
-            traffic = verify.collectives(compiled.as_text())
+            hlo = compiled.as_text()
+            traffic = verify.collectives(hlo)
+            answer["replicated"] = [vars(v) for v in verify.gathered_values(hlo, request["threshold"])]
             answer["collectives"] = {k: {"count": t.count, "bytes": t.bytes} for k, t in traffic.items()}
             answer["mismatches"] = _mismatches(compiled, parts.state, request["golden"], mesh)
         if propagated:
             values = verify.replicated_values(propagated[-1].read_text(encoding="utf-8"), request["threshold"])
-            answer["replicated"] = [vars(v) for v in values]
+            answer["replicated"] = [vars(v) for v in values] + answer.get("replicated", [])
         elif compiled is not None:
             answer["compile_error"] = "no module after sharding propagation was dumped; cannot check replicated values"
     return answer
