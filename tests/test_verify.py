@@ -58,7 +58,7 @@ def test_clean_case_exits_0_and_records_its_figures(tmp_path):
     result = run_cli("verify", *case_args("clean"), "--golden-dir", str(tmp_path / "golden"), "--record")
     assert result.returncode == 0, result.stdout + result.stderr
     first = result.stdout.splitlines()[0]
-    assert first.startswith("qwen3-0.6b/cpu-4/slice_1/rule_clean_max_target_length=256_per_device_batch_size=1: ok (cpu, 4 devices")
+    assert first.startswith("qwen3-0.6b/cpu-4/slice_1/rule_clean_per_device_batch_size=1_max_target_length=256: ok (cpu, 4 devices")
     assert "XLA:CPU estimate" in result.stdout and "no HBM limit" in result.stdout
     (recorded,) = (tmp_path / "golden").rglob("compiled_cpu_jax-*.json")
     figures = json.loads(recorded.read_text())
