@@ -37,9 +37,9 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
 
     devices = topologies.get_topology_desc(tpu_topology, "tpu", num_slices=num_slices).devices
     if num_slices > 1:
-        grid = mesh_utils.create_hybrid_device_mesh(parts.ici, parts.dcn, devices)
+        grid = mesh_utils.create_hybrid_device_mesh(parts.ici, parts.dcn, devices, allow_split_physical_axes=True)
     else:
-        grid = mesh_utils.create_device_mesh(shape, devices)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return Mesh(np.asarray(grid), parts.axis_names, axis_types=axis_types)
 
 
