@@ -14,6 +14,9 @@ golden, the exact command that creates it). A missing golden is a failure, never
 `check_stale` fails with every golden path that none of the cases produces; under --update-goldens
 it deletes them instead. It is one test item, so under pytest-xdist exactly one worker scans (and
 deletes) and the report is the same as without xdist.
+
+`--sharding-verify` (off by default) also compiles every checked case's training step on fake CPU
+devices (`sharding-dump verify`) and fails the case on any verify failure.
 """
 
 from __future__ import annotations

@@ -439,6 +439,7 @@ class CaseResult:
         }
 
     def to_json(self) -> dict[str, Any]:
+        """The case as `--format json` shows it: findings and figures, no timings (same bytes every run)."""
         return {
             "case": self.label, "backend": self.backend, "devices": self.devices,
             "ok": not self.failures, "failures": self.failures,
@@ -452,7 +453,6 @@ class CaseResult:
             "figures_file": self.figures_file or None,
             "figures_changed": [{"figure": k, "recorded": o, "now": n} for k, o, n in self.figures_changed],
             "jax_version": self.jax_version,
-            "cpu_seconds": round(self.cpu_seconds, 2), "peak_rss_bytes": self.peak_rss_bytes,
         }
 
 

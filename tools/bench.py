@@ -11,8 +11,8 @@ the same for `check --all`, `diff golden golden` and `show` of the first case;
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
 this process's max RSS growth. Figures are printed, never asserted.
 
---verify: per case, `sharding-dump verify --format json` in a new process; the CPU seconds (user +
-system) and peak RSS of the child that compiles the step, as it reports them, and the wall time.
+--verify: per case, `sharding-dump verify` in a new process; the CPU seconds (user + system) and peak
+RSS of the child that compiles the step, as its first output line reports them, and the wall time.
 """
 
 from __future__ import annotations
@@ -66,19 +66,22 @@ def case_args(case) -> list[str]:
 
 def bench_verify(cases) -> None:
     """CPU seconds and peak RSS of `sharding-dump verify` per case (findings are results, not failures)."""
-    import json
+    import re
 
+    units = {"Bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    figures = re.compile(r": (ok|FAILED) \(\w+, \d+ devices, ([0-9.]+) s CPU, ([0-9.]+) (\w+) peak RSS\)$")
     print(f"{'case (sharding-dump verify)':<92} {'wall s':>7} {'CPU s':>7} {'peak MiB':>9} {'result':>7}")
     for case in cases:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "sharding_dump.cli", "verify", *case_args(case), "--format", "json"],
+        proc = subprocess.run([sys.executable, "-m", "sharding_dump.cli", "verify", *case_args(case)],
                               cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - start
-        if proc.returncode not in (0, 1):
-            raise SystemExit(f"failed (exit {proc.returncode}): verify {case.label}: {proc.stderr}")
-        (result,) = json.loads(proc.stdout)["cases"]
-        print(f"{case.label:<92} {wall:>7.1f} {result['cpu_seconds']:>7.1f} "
-              f"{result['peak_rss_bytes'] / 2**20:>9.0f} {'ok' if result['ok'] else 'FAILED':>7}", flush=True)
+        match = figures.search(proc.stdout.splitlines()[0]) if proc.stdout else None
+        if proc.returncode not in (0, 1) or not match:
+            raise SystemExit(f"failed (exit {proc.returncode}): verify {case.label}: {proc.stdout[:500]}{proc.stderr}")
+        status, cpu, size, unit = match.groups()
+        peak = float(size) * units[unit] / 2**20
+        print(f"{case.label:<92} {wall:>7.1f} {float(cpu):>7.1f} {peak:>9.0f} {status:>7}", flush=True)
 
 
 def main() -> None:
