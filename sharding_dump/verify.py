@@ -704,9 +704,12 @@ def command(argv: Sequence[str]) -> int:
     for index, case in enumerate(cases, 1):
         result = verify_case(case, options)
         results.append(result)
+        prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
         if args.format == "text":
-            prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
             print(prefix + render_case(result, "text") + "\n", flush=True)
+        else:  # stdout is the report to paste or parse; progress goes to stderr
+            status = "FAILED" if result.failures else "ok"
+            print(f"{prefix}{result.label}: {status} ({result.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
     if args.format == "text":
         failed = sum(1 for r in results if r.failures)
         print(f"{len(results)} case{'s' * (len(results) != 1)} verified, {failed} failed")
