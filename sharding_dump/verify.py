@@ -295,7 +295,8 @@ def replicated_values(hlo: str, threshold: int) -> list[Replicated]:
             if size < threshold:
                 continue
             match = re.search(r"sharding=\{([^{}]*)\}", inst.text)
-            rank = len(_ARRAY.search(inst.type).group(2).split(",")) if _ARRAY.search(inst.type) else 0
+            array = _ARRAY.search(inst.type)
+            rank = len([d for d in array.group(2).split(",") if d]) if array else 0
             if not match or _shards(match.group(1), rank) != 1:
                 continue
             op = _OP_NAME.search(inst.text)
@@ -413,7 +414,8 @@ class CaseResult:
             out.append(f"{len(self.remats)} involuntary full rematerialization{'s' * (len(self.remats) != 1)}")
         if self.replicated:
             out.append(f"{len(self.replicated)} value{'s' * (len(self.replicated) != 1)} of "
-                       f"{format_bytes(self.threshold)} or more held whole by every device")
+                       f"{format_bytes(self.threshold)} or more per device replicated after propagation "
+                       f"or rebuilt by one all-gather")
         if self.golden_missing:
             out.append(f"no golden to compare the compiled shardings with (create it with: {self.golden_missing})")
         if self.mismatches:
@@ -630,7 +632,8 @@ def render_case(r: CaseResult, fmt: str = "text") -> str:
         lines.append(f"{bullet}[remat] {wrap(remat.op_name or remat.instruction)} {remat.shape}: "
                      f"{wrap(remat.from_sharding)} -> {wrap(remat.to_sharding)}")
     for value in r.replicated[:MAX_LISTED]:
-        lines.append(f"{bullet}[replicated, {value.where}] {wrap(value.op_name)} {value.shape} {format_bytes(value.bytes)}"
+        kind = "replicated" if value.where == "propagation" else "gathered"
+        lines.append(f"{bullet}[{kind}] {wrap(value.op_name)} {value.shape} {format_bytes(value.bytes)}"
                      + (f" ({value.count} instructions)" if value.count > 1 else ""))
     for path, golden, compiled in r.mismatches[:MAX_LISTED]:
         lines.append(f"{bullet}[sharding] {wrap(path)}: golden {json.dumps(golden)}, compiled {json.dumps(compiled)}")
