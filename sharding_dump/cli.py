@@ -6,6 +6,7 @@
     sharding-dump diff OLD NEW [--format text|markdown|json]
     sharding-dump check (CASE | --all) [--replicated-tolerance F]
     sharding-dump show CASE
+    sharding-dump verify (CASE | --all) [--format text|markdown|json] [--tpu] [--record]
 
 CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
@@ -207,7 +208,13 @@ def _cmd_list(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show}
+def _cmd_verify(argv: Sequence[str]) -> int:
+    from sharding_dump import verify
+
+    return verify.command(argv)
+
+
+COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show, "verify": _cmd_verify}
 
 
 _SHOW_WARNING = warnings.showwarning
