@@ -15,7 +15,7 @@ import functools
 import warnings
 from typing import Any
 
-from sharding_dump import models, rules, serialize, settings, state, train_step
+from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.errors import BadInput, UnevenSplitWarning
@@ -27,7 +27,7 @@ from sharding_dump.topology import Topology, load_topology
 from sharding_dump.core import documents
 from sharding_dump.core.capture import Constraint, record_activations
 from sharding_dump.core.state import Model, as_model
-from sharding_dump.core.step import abstract_batch, next_token_step
+from sharding_dump.core.step import Step, abstract_batch, next_token_step
 from sharding_dump.model_ref import load_factory
 from sharding_dump.core.documents import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE  # noqa: F401
 
@@ -179,13 +179,22 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
                                       activation_header={"batch": setup.batch.header()})
 
 
+def case_model(setup: CaseSetup) -> Model:
+    """The case's model as the core drives it: a built-in card's decoder or the user's factory."""
+    if setup.config is not None:
+        return as_model(models.build_model(setup.config))
+    return factory_model(setup.case.model)
+
+
+def case_step(setup: CaseSetup) -> Step:
+    """One next-token training step of the case's model: batch constrained to the rule's input axes,
+    forward, backward, AdamW update."""
+    return next_token_step(case_model(setup).apply, state.optimizer(), setup.batch.logical_axes)
+
+
 def trace_activations(setup: CaseSetup) -> list[Constraint]:
     """Every activation constraint of one training step of the case's model on its mesh."""
-    if setup.config is not None:
-        return train_step.trace_activations(setup.config, _abstract_state(setup.config), setup.plan,
-                                            setup.rule_set, setup.batch, state.optimizer())
-    step = next_token_step(factory_model(setup.case.model).apply, state.optimizer(), setup.batch.logical_axes)
-    return record_activations(step, abstract_state_of(setup), abstract_batch(setup.batch.shape),
+    return record_activations(case_step(setup), abstract_state_of(setup), abstract_batch(setup.batch.shape),
                               mesh=setup.plan.abstract_mesh(), rules=setup.rule_set)
 
 

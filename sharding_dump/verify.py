@@ -67,14 +67,13 @@ class StepParts:
 
 def _build_step(case: Any) -> StepParts:
     """The case's training step from the harness: setup, abstract state, step function, layouts."""
-    import flax.linen as nn
-
-    from sharding_dump import dump, models, state, train_step
+    from sharding_dump import dump
+    from sharding_dump.core.layout import unbox
+    from sharding_dump.core.step import abstract_batch
 
     setup, layouts = dump.case_layouts(case)
-    abstract = nn.meta.unbox(dump._abstract_state(setup.config))
-    step = train_step.make_step(models.build_model(setup.config), state.optimizer(), setup.batch.logical_axes)
-    return StepParts(step, abstract, train_step.abstract_batch(setup.batch),
+    abstract = unbox(dump.abstract_state_of(setup))
+    return StepParts(dump.case_step(setup), abstract, abstract_batch(setup.batch.shape),
                      {t.path: t.partition_spec for t in layouts}, setup.batch.pipeline_spec,
                      setup.plan.axis_names, setup.plan.ici, setup.plan.dcn, setup.rule_set.logical_axis_rules)
 
