@@ -1,21 +1,68 @@
-"""sharding-dump: golden tests for the sharding of JAX/Flax training state.
+"""sharding-dump: golden tests for how a JAX/Flax model's training state is split over a mesh.
 
-Public API::
+The public API is small and model-agnostic; everything is imported on first use, so
+`import sharding_dump` loads neither jax nor flax and changes nothing in the process::
 
-    from sharding_dump import Case, dump_case, golden_dir, check_or_update
-    case = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
-    docs = dump_case(case)               # {file name: JSON document}
-    outcome = check_or_update(case, "golden", update=False)
+    import sharding_dump as sd
+    docs = sd.dump_model(my_lm, mesh, rules, batch_shape=(8, 2048))   # {file name: JSON document}
+    sd.check_or_update_folder("golden/my_lm", docs, update=False)     # Outcome: match | differs | missing
+
+Pieces, for your own step or state:
+
+* :func:`abstract_train_state`, :func:`as_model`, :func:`parameter_count`: the abstract state;
+* :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set;
+* :func:`record_activations`, :func:`constrain`: activation constraints met while tracing;
+* :func:`golden_documents`, :func:`check_or_update_folder`: golden JSON and the check-or-update engine;
+* the built-in zoo: :class:`Case`, :func:`dump_case`, :func:`check_or_update`, :func:`load_matrix`.
 """
 
-import os
+from __future__ import annotations
 
-# A layout tool: it never needs an accelerator, and probing for one costs seconds.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import importlib
+from typing import Any
 
-from sharding_dump.case import Case, golden_dir, load_matrix  # noqa: E402
-from sharding_dump.dump import dump_case, render_case  # noqa: E402
-from sharding_dump.errors import BadInput  # noqa: E402
-from sharding_dump.golden import Outcome, check_or_update  # noqa: E402
+__version__ = "0.2.0"
 
-__all__ = ["BadInput", "Case", "Outcome", "check_or_update", "dump_case", "golden_dir", "load_matrix", "render_case"]
+_EXPORTS = {
+    "abstract_train_state": "sharding_dump.core.state",
+    "as_model": "sharding_dump.core.state",
+    "default_optimizer": "sharding_dump.core.state",
+    "parameter_count": "sharding_dump.core.state",
+    "Model": "sharding_dump.core.state",
+    "TensorLayout": "sharding_dump.core.layout",
+    "leaf_layout": "sharding_dump.core.layout",
+    "tensor_layouts": "sharding_dump.core.layout",
+    "resolve": "sharding_dump.core.layout",
+    "constrain": "sharding_dump.core.capture",
+    "record_activations": "sharding_dump.core.capture",
+    "recording": "sharding_dump.core.capture",
+    "read_constraints": "sharding_dump.core.capture",
+    "Constraint": "sharding_dump.core.capture",
+    "next_token_step": "sharding_dump.core.step",
+    "golden_documents": "sharding_dump.core.documents",
+    "dump_model": "sharding_dump.core.model_dump",
+    "spec_to_json": "sharding_dump.core.specs",
+    "check_or_update_folder": "sharding_dump.golden",
+    "check_or_update": "sharding_dump.golden",
+    "Outcome": "sharding_dump.golden",
+    "BadInput": "sharding_dump.errors",
+    "Case": "sharding_dump.case",
+    "golden_dir": "sharding_dump.case",
+    "load_matrix": "sharding_dump.case",
+    "dump_case": "sharding_dump.dump",
+    "render_case": "sharding_dump.dump",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sharding_dump' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

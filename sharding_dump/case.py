@@ -19,8 +19,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
-from sharding_dump import models, rules, settings, topology
+from sharding_dump import rules, settings, topology
 from sharding_dump.errors import BadInput
+from sharding_dump.model_ref import ModelRef, parse_model_ref
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 
 CASES_FILE = DATA_DIR / "cases.yml"
@@ -40,10 +41,15 @@ class Case:
     def make(cls, model: str, topology_name: str, rule: str, num_slices: int = 1,
              overrides: Mapping[str, Any] | None = None) -> "Case":
         """Validates every field (BadInput on the first bad one) and canonicalises the overrides."""
-        models.check_model_name(model)
+        parse_model_ref(model)
         topology.load_topology(topology_name, num_slices)
         rules.rule_path(rule)
         return cls(model, topology_name, rule, num_slices, settings.parse_overrides(overrides or {}))
+
+    @property
+    def model_ref(self) -> ModelRef:
+        """What the model name refers to: a card or a factory in the user's code."""
+        return parse_model_ref(self.model)
 
     @property
     def rule_name(self) -> str:
@@ -59,12 +65,12 @@ class Case:
     @property
     def label(self) -> str:
         """A short id for test names and progress lines."""
-        return f"{self.model}/{self.topology}/slice_{self.num_slices}/{self.name}"
+        return f"{self.model_ref.label}/{self.topology}/slice_{self.num_slices}/{self.name}"
 
     def header(self) -> dict[str, Any]:
         """The case as recorded in every golden file."""
         return {
-            "model": self.model,
+            "model": self.model_ref.label,
             "topology": self.topology,
             "num_slices": self.num_slices,
             "rule": self.rule_name,
@@ -84,7 +90,7 @@ class Case:
 
 def golden_dir(case: Case, root: str | Path) -> Path:
     """The folder of a case's golden files under `root`: the one place this path is built."""
-    return Path(root) / case.model / case.topology / f"slice_{case.num_slices}" / case.name
+    return Path(root) / case.model_ref.folder_name / case.topology / f"slice_{case.num_slices}" / case.name
 
 
 def load_matrix(path: Path = CASES_FILE) -> list[Case]:

@@ -6,6 +6,7 @@
     sharding-dump diff OLD NEW [--format text|markdown|json]
     sharding-dump check (CASE | --all) [--replicated-tolerance F]
     sharding-dump show CASE
+    sharding-dump verify (CASE | --all) [--format text|markdown|json] [--tpu] [--record]
 
 CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
@@ -37,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_case_options(parser: argparse.ArgumentParser, all_help: str | None) -> None:
     """The options that name one case (and, when `all_help` is given, --all for the whole matrix)."""
-    parser.add_argument("--model", help="model card name (sharding-dump list models)")
+    parser.add_argument("--model", help="model card name (sharding-dump list models) or path to a card .yml")
     parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
     parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
     parser.add_argument("--num-slices", type=int, default=1, help="number of slices (DCN), default 1")
@@ -180,10 +181,15 @@ def _cmd_list(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.what == "models":
         from sharding_dump import models, state
+        from sharding_dump.models.config import card_files
+        from sharding_dump.resources import MODELS_DIR
+        files = card_files()
         for name in models.model_names():
             cfg = models.load_config(name)
             count = state.parameter_count(state.abstract_state(cfg))
-            print(f"{name:<18} {cfg.decoder_block:<10} {count:>17,} parameters ({count / 1e9:.2f}B)")
+            source = "" if files[name].parent == MODELS_DIR else f"  (card {files[name]})"
+            print(f"{name:<18} {cfg.decoder_block:<10} {count:>17,} parameters ({count / 1e9:.2f}B){source}")
+        print(f"decoder blocks: {', '.join(sorted(models.decoder_blocks()))}")
     elif args.what == "topologies":
         from sharding_dump.topology import load_topology, topology_names
         for name in topology_names():
@@ -202,7 +208,13 @@ def _cmd_list(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show}
+def _cmd_verify(argv: Sequence[str]) -> int:
+    from sharding_dump import verify
+
+    return verify.command(argv)
+
+
+COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show, "verify": _cmd_verify}
 
 
 _SHOW_WARNING = warnings.showwarning

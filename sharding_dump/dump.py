@@ -15,7 +15,7 @@ import functools
 import warnings
 from typing import Any
 
-from sharding_dump import models, rules, serialize, settings, state, train_step
+from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.errors import BadInput, UnevenSplitWarning
@@ -24,9 +24,12 @@ from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
 
-NAMED_FILE = "named_shardings.json"
-LOGICAL_FILE = "logical_shardings.json"
-ACTIVATIONS_FILE = "activation_shardings.json"
+from sharding_dump.core import documents
+from sharding_dump.core.capture import Constraint, record_activations
+from sharding_dump.core.state import Model, as_model
+from sharding_dump.core.step import Step, abstract_batch, next_token_step
+from sharding_dump.model_ref import load_factory
+from sharding_dump.core.documents import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +41,7 @@ class CaseSetup:
     rule_set: rules.RuleSet  # the rule file with the model card's rules merged in
     values: dict[str, Any]  # effective settings
     plan: MeshPlan
-    config: models.ModelConfig
+    config: models.ModelConfig | None  # None for a user's factory model
     batch: BatchPlan
 
     @property
@@ -55,12 +58,16 @@ def setup_case(case: Case) -> CaseSetup:
     values = settings.resolve(case.overrides, mesh_defaults)
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
-    config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
-    rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
-    pipeline = plan_pipeline(values, plan, rule_set, config.pipelined_stack_layers)
-    config = dataclasses.replace(config, pipeline=pipeline)
-    if pipeline is not None:
-        rule_set = pipeline_rules(rule_set)
+    if case.model_ref.kind == "factory":
+        config, pipeline = None, None
+        _check_factory_settings(case, values, plan)
+    else:
+        config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
+        rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
+        pipeline = plan_pipeline(values, plan, rule_set, config.pipelined_stack_layers)
+        config = dataclasses.replace(config, pipeline=pipeline)
+        if pipeline is not None:
+            rule_set = pipeline_rules(rule_set)
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
@@ -73,10 +80,26 @@ def setup_case(case: Case) -> CaseSetup:
     return setup
 
 
+# Settings that only a built-in model (built from a card) can honour.
+CARD_ONLY_SETTINGS = ("weight_dtype", "shard_mode", "num_pipeline_microbatches", "num_pipeline_repeats",
+                      "pipeline_parallel_layers")
+
+
+def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) -> None:
+    """A user's model is built by its own factory: settings that shape a built-in model do not apply."""
+    given = [key for key, _ in case.overrides if key in CARD_ONLY_SETTINGS]
+    if given:
+        raise BadInput(f"{given[0]}: applies to built-in models only; model {case.model!r} is built by its own "
+                       "factory (set it there)")
+    if plan.sizes.get("stage", 1) > 1:
+        raise BadInput(f"stage axis of size {plan.sizes['stage']}: pipeline parallelism is built into the zoo's "
+                       f"layer stacks; model {case.model!r} is a user factory (size the stage axis 1)")
+
+
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    layouts = state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set,
+    layouts = state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set,
                                    setup.values["shard_optimizer_over_data"])
     params_first = sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
     for layout, dim in params_first[:1]:
@@ -90,6 +113,26 @@ def _check_even_splits(setup: CaseSetup) -> None:
 def _abstract_state(config: models.ModelConfig) -> dict[str, Any]:
     # Shapes only depend on the config; cases of one model share the traced init.
     return state.abstract_state(config)
+
+
+@functools.lru_cache(maxsize=16)
+def factory_model(ref: str) -> Model:
+    """The user's model behind a factory reference, built once per process (abstractly)."""
+    return as_model(load_factory(ref))
+
+
+@functools.lru_cache(maxsize=16)
+def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    params = factory_model(ref).abstract_params(plan.abstract_mesh(), rules)
+    return state.abstract_train_state(params, state.optimizer())
+
+
+def abstract_state_of(setup: CaseSetup) -> dict[str, Any]:
+    """The boxed abstract training state of the case's model (a card's, or a user factory's, whose
+    init runs under the case's mesh and rules as it would in training)."""
+    if setup.config is not None:
+        return _abstract_state(setup.config)
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules)
 
 
 def header(setup: CaseSetup) -> dict[str, Any]:
@@ -108,7 +151,7 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     over_data = setup.values["shard_optimizer_over_data"]
     if setup.explicit:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data)
-    return setup, state.tensor_layouts(_abstract_state(setup.config), setup.plan, setup.rule_set, over_data)
+    return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
 
 
 def warn_uneven(setup: CaseSetup, layouts: list[state.TensorLayout]) -> None:
@@ -131,46 +174,28 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits unevenly)."""
     setup, layouts = case_layouts(case)
     warn_uneven(setup, layouts)
-    named = {
-        t.path: {
-            "shape": list(t.shape),
-            "dtype": t.dtype,
-            "partition_spec": serialize.spec_to_json(t.partition_spec, len(t.shape)),
-            "per_device_shape": list(t.per_device_shape),
-            "per_device_bytes": t.per_device_bytes,
-        }
-        for t in layouts
-    }
-    logical = {t.path: {"shape": list(t.shape), "logical_axes": list(t.logical_axes)} for t in layouts}
-    head = header(setup)
-    # Per-device totals sit in the named header so a rule edit's memory change shows in the golden diff.
-    named_head = {**head, "per_device_bytes": state.per_device_totals(layouts)}
-    return {
-        NAMED_FILE: serialize.document("named", named_head, named),
-        LOGICAL_FILE: serialize.document("logical", head, logical),
-        ACTIVATIONS_FILE: serialize.document("activations", {**head, "batch": setup.batch.header()},
-                                             activation_entries(setup)),
-    }
+    constraints = trace_activations(setup)
+    return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
+                                      activation_header={"batch": setup.batch.header()})
 
 
-def activation_entries(setup: CaseSetup) -> dict[str, dict[str, Any]]:
-    """One entry per activation constraint of the traced training step, keyed `<pass>/<module>/<name>`."""
-    constraints = train_step.trace_activations(setup.config, _abstract_state(setup.config), setup.plan,
-                                               setup.rule_set, setup.batch, state.optimizer())
-    entries = {}
-    for c in constraints:
-        layout = state.TensorLayout(c.key, c.shape, c.dtype, c.logical_axes, c.partition_spec, setup.plan.sizes)
-        entries[c.key] = {
-            "module": c.module,
-            "name": c.name,
-            "pass": c.pass_,
-            "shape": list(c.shape),
-            "dtype": c.dtype,
-            "logical_axes": list(c.logical_axes),
-            "partition_spec": serialize.spec_to_json(c.partition_spec, len(c.shape)),
-            "per_device_shape": list(layout.per_device_shape),
-        }
-    return entries
+def case_model(setup: CaseSetup) -> Model:
+    """The case's model as the core drives it: a built-in card's decoder or the user's factory."""
+    if setup.config is not None:
+        return as_model(models.build_model(setup.config))
+    return factory_model(setup.case.model)
+
+
+def case_step(setup: CaseSetup) -> Step:
+    """One next-token training step of the case's model: batch constrained to the rule's input axes,
+    forward, backward, AdamW update."""
+    return next_token_step(case_model(setup).apply, state.optimizer(), setup.batch.logical_axes)
+
+
+def trace_activations(setup: CaseSetup) -> list[Constraint]:
+    """Every activation constraint of one training step of the case's model on its mesh."""
+    return record_activations(case_step(setup), abstract_state_of(setup), abstract_batch(setup.batch.shape),
+                              mesh=setup.plan.abstract_mesh(), rules=setup.rule_set)
 
 
 def render_case(case: Case) -> dict[str, bytes]:

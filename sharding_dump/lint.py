@@ -141,9 +141,11 @@ def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Fi
             for subject, problems in _fold(per_tensor) for message, rule in problems]
 
 
-def check_names(setup: CaseSetup, known: frozenset[str]) -> list[Finding]:
-    """Rules for logical axes that no tensor of any model carries and that the trainer does not define."""
-    used = model_logical_axes() | known | set(setup.rule_set.input_data_sharding_logical_axes)
+def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLayout] = ()) -> list[Finding]:
+    """Rules for logical axes that no tensor of any model (the built-in ones and the case's own)
+    carries and that the trainer does not define."""
+    own = {n for t in layouts for n in t.logical_axes if n is not None}
+    used = model_logical_axes() | own | known | set(setup.rule_set.input_data_sharding_logical_axes)
     findings = []
     for index, (name, _) in enumerate(setup.rule_set.logical_axis_rules):
         if name not in used:
@@ -215,7 +217,7 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     settings = lint_settings()
     tolerance = settings.replicated_tolerance if tolerance is None else tolerance
     setup, layouts = case_layouts(case)
-    return (check_divisibility(setup, layouts) + check_names(setup, settings.known_logical_axes)
+    return (check_divisibility(setup, layouts) + check_names(setup, settings.known_logical_axes, layouts)
             + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
 
 

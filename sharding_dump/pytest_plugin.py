@@ -14,6 +14,9 @@ golden, the exact command that creates it). A missing golden is a failure, never
 `check_stale` fails with every golden path that none of the cases produces; under --update-goldens
 it deletes them instead. It is one test item, so under pytest-xdist exactly one worker scans (and
 deletes) and the report is the same as without xdist.
+
+`--sharding-verify` (off by default) also compiles every checked case's training step on fake CPU
+devices (`sharding-dump verify`) and fails the case on any verify failure.
 """
 
 from __future__ import annotations
@@ -34,19 +37,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("sharding-dump")
     group.addoption("--update-goldens", action="store_true", default=False,
                     help="rewrite golden files that differ from the dump (same bytes as the CLI writes)")
+    group.addoption("--sharding-verify", action="store_true", default=False,
+                    help="also compile each checked case's training step on fake CPU devices (sharding-dump "
+                         "verify): fail on remats, large replicated values or compiled shardings unlike the golden")
 
 
 class GoldenChecker:
     """Checks (or, under --update-goldens, rewrites) one case's golden folder."""
 
-    def __init__(self, root: Path, update: bool) -> None:
+    def __init__(self, root: Path, update: bool, verify: bool = False) -> None:
         self.root = root
         self.update = update
+        self.verify = verify
 
     def check(self, case: Case) -> Outcome:
         outcome = check_or_update(case, self.root, self.update)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
+        if self.verify:  # --sharding-verify: the compiled step too
+            from sharding_dump import verify
+
+            result = verify.verify_case(case, verify.Options(verify.default_threshold(), self.root))
+            if result.failures:
+                pytest.fail(verify.render_case(result), pytrace=False)
         return outcome
 
     def check_stale(self, cases: Iterable[Case]) -> list[Path]:
@@ -63,4 +76,5 @@ class GoldenChecker:
 def sharding_golden(request: pytest.FixtureRequest) -> GoldenChecker:
     """The golden checker for this session's root and mode."""
     config = request.config
-    return GoldenChecker(Path(config.rootpath) / GOLDEN_DIR_NAME, config.getoption("--update-goldens"))
+    return GoldenChecker(Path(config.rootpath) / GOLDEN_DIR_NAME, config.getoption("--update-goldens"),
+                         config.getoption("--sharding-verify"))

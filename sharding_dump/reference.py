@@ -26,12 +26,13 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sharding_dump import rules, serialize
+from sharding_dump import serialize
+from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
 
 REFERENCE_FILE = "input_shardings.json"
 _KEY = re.compile(r"(?P<name>.+): (?P<dtype>[A-Za-z0-9_]+)\[(?P<shape>[0-9, ]*)\]")
-NormalSpec = tuple[tuple[str, ...], ...]
+NormalSpec = specs.SpecAxes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +71,6 @@ class Comparison:
         return "\n".join([head] + [f"  {line}" for line in self.mismatches])
 
 
-def normalise_spec(entries: Sequence[Any], ndim: int, sizes: Mapping[str, int] | None = None) -> NormalSpec:
-    """One tuple of mesh axes per dimension; size-1 axes dropped when `sizes` is given."""
-    out = []
-    for dim in range(ndim):
-        entry = entries[dim] if dim < len(entries) else None
-        out.append(tuple(a for a in rules.axes_of(entry) if sizes is None or sizes.get(a, 1) != 1))
-    return tuple(out)
-
-
 def _literal(text: str, where: str) -> Any:
     try:
         return ast.literal_eval(text)
@@ -107,7 +99,7 @@ def parse_reference(data: Any, where: str) -> list[ReferenceEntry]:
         if not (spec_text.startswith("P(") and spec_text.endswith(")")):
             raise BadInput(f"{where}: item {index} PartitionSpec: {spec_text!r} is not P(...)")
         spec = _literal(f"[{spec_text[2:-1]}]", f"{where}: item {index} PartitionSpec")
-        out.append(ReferenceEntry(match["name"], match["dtype"], shape, axes, normalise_spec(spec, len(shape))))
+        out.append(ReferenceEntry(match["name"], match["dtype"], shape, axes, specs.spec_axes(spec, len(shape))))
     return out
 
 
@@ -129,7 +121,7 @@ def compare(reference: Sequence[ReferenceEntry], ours: Mapping[str, Any]) -> Com
     forward_first = sorted(ours["tensors"].items(), key=lambda item: (item[1]["pass"] != "forward", item[0]))
     for key, entry in forward_first:
         layout = (tuple(entry["shape"]), entry["dtype"], tuple(entry["logical_axes"]))
-        index.setdefault(layout, []).append((key, normalise_spec(entry["partition_spec"], len(entry["shape"]), sizes)))
+        index.setdefault(layout, []).append((key, specs.spec_axes(entry["partition_spec"], len(entry["shape"]), sizes)))
     result = Comparison()
     for ref in reference:
         if ref.logical_axes is None:

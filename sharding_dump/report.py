@@ -15,9 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-import jax.numpy as jnp
-
 from sharding_dump import diff, serialize, tables
+from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import GOLDEN_FILE_NAMES, display
 
@@ -100,7 +99,7 @@ def upgrade_named(doc: dict[str, Any]) -> dict[str, Any]:
     if doc.get("kind") != "named" or doc.get("format_version") != 1:
         return doc
     tensors = {path: {**entry, "per_device_bytes": math.prod(entry["per_device_shape"])
-                      * jnp.dtype(entry["dtype"]).itemsize} for path, entry in doc["tensors"].items()}
+                      * specs.itemsize(entry["dtype"])} for path, entry in doc["tensors"].items()}
     totals: dict[str, int] = {}
     for path, entry in tensors.items():
         group = path.split("/", 1)[0]

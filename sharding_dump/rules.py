@@ -22,6 +22,8 @@ from flax.linen import spmd  # deciding_rule replays flax's resolver step by ste
 from jax.sharding import PartitionSpec
 
 from sharding_dump import settings as settings_mod
+from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
+from sharding_dump.core.specs import rule_axes
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
 
@@ -85,13 +87,6 @@ def rule_path(ref: str) -> Path:
     return RULES_DIR / f"{ref}.yml"
 
 
-def _axes(value: Any) -> MeshAxes:
-    """YAML's list / string / null for a rule's mesh axes, as flax wants it (tuples, never lists)."""
-    if value is None or isinstance(value, str):
-        return value
-    return tuple(value)
-
-
 def load_rule(ref: str) -> RuleSet:
     """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path)."""
     path = rule_path(ref)
@@ -104,7 +99,7 @@ def load_rule(ref: str) -> RuleSet:
         if axis not in known:
             raise BadInput(f"{where}: field mesh_axes: {axis!r} is not a mesh axis sharding-dump can size "
                            f"(valid: {', '.join(sorted(known))})")
-    rules: Rules = tuple((name, _axes(axes)) for name, axes in data["logical_axis_rules"])
+    rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data["logical_axis_rules"])
     for index, (name, axes) in enumerate(rules):
         for axis in axes_of(axes):
             if axis not in mesh_axes:
@@ -142,11 +137,6 @@ def load_rule(ref: str) -> RuleSet:
     )
 
 
-def axes_of(axes: MeshAxes) -> tuple[str, ...]:
-    """The mesh axes a rule's right-hand side names, as a tuple."""
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
-
 def is_base_rule(rule_set: RuleSet) -> bool:
     """True for the packaged `default` rule file: MaxText's base rules, the only ones a model card's
     rules are merged into (any other rule file replaces the rules wholesale)."""
@@ -164,8 +154,8 @@ def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source
     lines = yaml_item_lines(source, "logical_axis_rules") if source is not None else []
     extra, extra_origins = [], []
     for index, (name, axes) in enumerate(overrides):
-        if all(a in rule_set.mesh_axes for a in axes_of(_axes(axes))):
-            extra.append((name, _axes(axes)))
+        if all(a in rule_set.mesh_axes for a in axes_of(rule_axes(axes))):
+            extra.append((name, rule_axes(axes)))
             if index < len(lines):
                 extra_origins.append((source, lines[index]))
     if not extra:

@@ -13,8 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from jax.sharding import PartitionSpec
-
+from sharding_dump.core.specs import SpecJson, spec_to_json  # noqa: F401  (re-exported)
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import error_field, error_message, schema_validator
 
@@ -22,24 +21,6 @@ FORMAT_VERSION = 1  # of every document kind not listed in FORMAT_VERSIONS
 # named v2 added per-device bytes (per tensor and per-device totals in the header); the schema still
 # reads v1 so that `sharding-dump diff` can compare goldens written before the change.
 FORMAT_VERSIONS = {"named": 2}
-SpecJson = list[None | str | list[str]]
-
-
-def spec_to_json(spec: PartitionSpec, ndim: int) -> SpecJson:
-    """One item per dimension: null, an axis name, or a list of names (one-element tuples as a
-    string, empty tuples as null); a spec shorter than the rank is padded with null."""
-    items: SpecJson = []
-    for dim in range(ndim):
-        entry = spec[dim] if dim < len(spec) else None
-        if entry is None or entry == ():
-            items.append(None)
-        elif isinstance(entry, str):
-            items.append(entry)
-        elif len(entry) == 1:
-            items.append(entry[0])
-        else:
-            items.append(list(entry))
-    return items
 
 
 def document(kind: str, header: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Every leaf of the training state (parameters first) with its shape, logical axes
 what one device holds of it, then the per-device totals against the device's HBM. Specs leave out
 mesh axes of size 1 (they split nothing) unless asked for the spec exactly as the golden holds it.
 
->>> effective_spec(["fsdp", ["tensor", "expert"], None], {"fsdp": 8, "tensor": 1, "expert": 1})
+>>> specs.spec_to_json(["fsdp", ["tensor", "expert"], None], 3, {"fsdp": 8, "tensor": 1, "expert": 1})
 ['fsdp', None, None]
 """
 
@@ -12,20 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharding_dump import diff, rules, serialize, state, tables
+from sharding_dump import diff, state, tables
+from sharding_dump.core import specs
 from sharding_dump.case import Case
 from sharding_dump.dump import case_layouts
 
 GROUP_ORDER = {"params": 0, "opt_state": 1}
-
-
-def effective_spec(spec: serialize.SpecJson, sizes: dict[str, int]) -> serialize.SpecJson:
-    """The spec without mesh axes of size 1."""
-    out: serialize.SpecJson = []
-    for entry in spec:
-        axes = [a for a in rules.axes_of(entry) if sizes[a] > 1]
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return out
 
 
 def render_case_table(case: Case, full_specs: bool = False) -> str:
@@ -34,9 +26,9 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
     sizes = setup.plan.sizes
     rows: list[list[Any]] = []
     for t in sorted(layouts, key=lambda t: (GROUP_ORDER.get(t.group, 2), t.path)):
-        spec = serialize.spec_to_json(t.partition_spec, len(t.shape))
+        spec = specs.spec_to_json(t.partition_spec, len(t.shape))
         rows.append([t.path, diff.compact(list(t.shape)), diff.compact(list(t.logical_axes)),
-                     diff.compact(spec if full_specs else effective_spec(spec, sizes)),
+                     diff.compact(spec if full_specs else specs.spec_to_json(spec, len(spec), sizes)),
                      diff.compact(list(t.per_device_shape)), tables.format_bytes(t.per_device_bytes)])
     mesh = " x ".join(f"{name}={size}" for name, size in sizes.items() if size > 1) or "a single device"
     note = "" if full_specs else "; specs leave out mesh axes of size 1 (--full-specs shows them)"

@@ -20,7 +20,6 @@ With ZeRO-1 (`shard_optimizer_over_data`), AdamW's moments are also split over `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -31,6 +30,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models, rules
+from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
+    TensorLayout, indivisible, leaves, path_text, per_device_totals, tensor_layouts as core_tensor_layouts)
+from sharding_dump.core.layout import _is_box
+from sharding_dump.core.state import abstract_train_state, as_model, default_optimizer, parameter_count  # noqa: F401
 from sharding_dump.errors import BadInput
 from sharding_dump.mesh import MeshPlan
 
@@ -40,107 +43,20 @@ DATA_AXIS = "data"
 TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorLayout:
-    """One leaf of the training state: logical and physical layout."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    logical_axes: tuple[str | None, ...]
-    partition_spec: PartitionSpec
-    mesh_sizes: dict[str, int]
-
-    @property
-    def per_device_shape(self) -> tuple[int, ...]:
-        """Each dim divided by the product of its mesh axes (rounded up: XLA pads a ragged split)."""
-        return tuple(-(-dim // self.shards(i)) for i, dim in enumerate(self.shape))
-
-    @property
-    def per_device_bytes(self) -> int:
-        """Bytes of the largest shard: what every device holds of this leaf (padding included)."""
-        return math.prod(self.per_device_shape) * jnp.dtype(self.dtype).itemsize
-
-    @property
-    def group(self) -> str:
-        """The top-level part of the state the leaf belongs to: params, opt_state or step."""
-        return self.path.split("/", 1)[0]
-
-    def axes(self, dim: int) -> tuple[str, ...]:
-        """The mesh axes dimension `dim` is split over (size-1 axes included)."""
-        return rules.axes_of(self.partition_spec[dim] if dim < len(self.partition_spec) else None)
-
-    def shards(self, dim: int) -> int:
-        """How many pieces dimension `dim` is split into."""
-        return math.prod(self.mesh_sizes[a] for a in self.axes(dim))
-
-
 def optimizer() -> optax.GradientTransformation:
-    """AdamW with a learning-rate schedule, as trainers configure it (the schedule adds a count)."""
-    return optax.adamw(optax.constant_schedule(1e-4), b1=0.9, b2=0.95, weight_decay=0.1)
+    """The optimizer of every zoo case: the core's default AdamW."""
+    return default_optimizer()
 
 
 def abstract_state(cfg: models.ModelConfig) -> dict[str, Any]:
-    """The boxed abstract state {'step', 'params', 'opt_state'} of a model, via jax.eval_shape."""
-    model = models.build_model(cfg)
-    tx = optimizer()
-
-    def init(key: jax.Array) -> dict[str, Any]:
-        tokens = jnp.zeros(INIT_SHAPE, jnp.int32)
-        params = model.init(key, tokens, tokens)["params"]
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
-    return jax.eval_shape(init, jax.random.key(0))
-
-
-def _is_box(x: Any) -> bool:
-    return isinstance(x, nn.Partitioned)
-
-
-def _key_text(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    raise TypeError(f"unexpected pytree key {entry!r}")
-
-
-def path_text(key_path: Sequence[Any]) -> str:
-    """A pytree key path as the '/'-joined path the goldens use (a box's `value` is not a level)."""
-    return "/".join(_key_text(k) for k in key_path if not isinstance(k, jax.tree_util.GetAttrKey)
-                    or k.name not in ("value",))
+    """The boxed abstract state {'step', 'params', 'opt_state'} of a zoo model, via jax.eval_shape."""
+    return abstract_train_state(as_model(models.build_model(cfg)).abstract_params(), optimizer())
 
 
 def is_moment(path: str) -> bool:
     """True for an AdamW moment leaf: `opt_state/<index>/mu/...` or `.../nu/...`."""
     parts = path.split("/")
     return len(parts) > 3 and parts[0] == "opt_state" and parts[2] in MOMENTS
-
-
-def leaves(state: dict[str, Any]) -> list[tuple[str, jax.ShapeDtypeStruct, tuple[str | None, ...]]]:
-    """(path, abstract array, logical axes) for every leaf, paths '/'-joined, in path order."""
-    out = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box):
-        path = path_text(key_path)
-        if _is_box(leaf):
-            array, logical = leaf.value, tuple(leaf.names)
-        else:
-            array, logical = leaf, (None,) * len(leaf.shape)
-        out.append((path, array, logical))
-    return sorted(out, key=lambda item: item[0])
-
-
-def parameter_count(state: dict[str, Any]) -> int:
-    """Sum of the sizes of every parameter leaf."""
-    return sum(math.prod(a.shape) for p, a, _ in leaves(state) if p.startswith("params/"))
-
-
-def per_device_totals(layouts: list[TensorLayout]) -> dict[str, int]:
-    """Bytes each device holds per top-level group of the state, and their `total`."""
-    totals: dict[str, int] = {}
-    for t in layouts:
-        totals[t.group] = totals.get(t.group, 0) + t.per_device_bytes
-    totals["total"] = sum(totals.values())
-    return dict(sorted(totals.items()))
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
@@ -169,19 +85,14 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) 
 
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
                    optimizer_over_data: bool = False) -> list[TensorLayout]:
-    """Auto mode: resolves every leaf's logical axes to a NamedSharding on the plan's abstract mesh
+    """Auto mode: every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh
     (AdamW moments also over `data` with `optimizer_over_data`)."""
-    mesh = plan.abstract_mesh()
     sizes = plan.sizes
-    out = []
-    for path, array, logical in leaves(state):
-        spec = rules.to_mesh_axes(logical, rule_set.logical_axis_rules)
-        if optimizer_over_data and is_moment(path):
-            spec = over_data(spec, array.shape, sizes)
-        sharding = NamedSharding(mesh, spec)
-        out.append(TensorLayout(path, tuple(array.shape), jnp.dtype(array.dtype).name, logical,
-                                sharding.spec, sizes))
-    return out
+
+    def zero1(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
+        return over_data(spec, shape, sizes) if is_moment(path) else spec
+
+    return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
 
 
 def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
@@ -228,8 +139,3 @@ def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: r
         out.append(TensorLayout(path, tuple(array.shape), jnp.dtype(array.dtype).name, logical,
                                 spec, plan.sizes))
     return out
-
-
-def indivisible(layouts: Sequence[TensorLayout]) -> list[tuple[TensorLayout, int]]:
-    """(leaf, dimension) pairs whose size does not split evenly over the dimension's mesh axes."""
-    return [(t, dim) for t in layouts for dim, size in enumerate(t.shape) if size % t.shards(dim)]

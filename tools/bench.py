@@ -4,11 +4,15 @@
     python tools/bench.py            # every case of the matrix
     python tools/bench.py --cases 3  # the first three
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
+    python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
 
 Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case;
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
 this process's max RSS growth. Figures are printed, never asserted.
+
+--verify: per case, `sharding-dump verify` in a new process; the CPU seconds (user + system) and peak
+RSS of the child that compiles the step, as its first output line reports them, and the wall time.
 """
 
 from __future__ import annotations
@@ -60,11 +64,32 @@ def case_args(case) -> list[str]:
     return case.command().split()[1:]
 
 
+def bench_verify(cases) -> None:
+    """CPU seconds and peak RSS of `sharding-dump verify` per case (findings are results, not failures)."""
+    import re
+
+    units = {"Bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    figures = re.compile(r": (ok|FAILED) \(\w+, \d+ devices, ([0-9.]+) s CPU, ([0-9.]+) (\w+) peak RSS\)$")
+    print(f"{'case (sharding-dump verify)':<92} {'wall s':>7} {'CPU s':>7} {'peak MiB':>9} {'result':>7}")
+    for case in cases:
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "sharding_dump.cli", "verify", *case_args(case)],
+                              cwd=REPO, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        match = figures.search(proc.stdout.splitlines()[0]) if proc.stdout else None
+        if proc.returncode not in (0, 1) or not match:
+            raise SystemExit(f"failed (exit {proc.returncode}): verify {case.label}: {proc.stdout[:500]}{proc.stderr}")
+        status, cpu, size, unit = match.groups()
+        peak = float(size) * units[unit] / 2**20
+        print(f"{case.label:<92} {wall:>7.1f} {float(cpu):>7.1f} {peak:>9.0f} {status:>7}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=0, help="only the first N cases (0: all)")
     parser.add_argument("--repeat", type=int, default=3, help="warm repetitions per case")
     parser.add_argument("--model", action="append", default=[], help="only cases of this model (repeatable)")
+    parser.add_argument("--verify", action="store_true", help="benchmark `sharding-dump verify` per case instead")
     args = parser.parse_args()
     unknown = sorted(set(args.model) - {c.model for c in load_matrix()})
     if unknown:
@@ -73,6 +98,9 @@ def main() -> None:
     if args.cases:
         cases = cases[: args.cases]
     print(f"{len(cases)} cases, {os.cpu_count()} cores, python {sys.version.split()[0]}")
+    if args.verify:
+        bench_verify(cases)
+        return
     print(f"{'case':<92} {'cold s':>7} {'cold MiB':>9} {'warm s':>7} {'warm +MiB':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:

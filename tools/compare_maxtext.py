@@ -28,6 +28,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sharding_dump.core.specs import spec_to_json  # noqa: E402  (jax-free: the package's one spec normaliser)
+
 NAMED, LOGICAL = "named_shardings.json", "logical_shardings.json"
 _TOKEN = re.compile(r"^\.?(?:\['(?P<key>[^']*)'\]|\[(?P<index>\d+)\]|(?P<attr>[A-Za-z_][A-Za-z0-9_]*))$")
 
@@ -50,16 +53,6 @@ def reference_path(path: str) -> str:
             continue  # flax's 'params' collection level, which our dumps do not repeat
         out.append(name)
     return "/".join(out)
-
-
-def canonical_spec(spec: Iterable[Any], rank: int) -> list[Any]:
-    """One entry per dimension: null, an axis name, or a list of two or more names."""
-    items: list[Any] = []
-    for entry in list(spec) + [None] * (rank - len(list(spec))):
-        if isinstance(entry, (list, tuple)):
-            entry = None if not entry else entry[0] if len(entry) == 1 else list(entry)
-        items.append(entry)
-    return items
 
 
 def spec_text(spec: list[Any]) -> str:
@@ -86,7 +79,7 @@ def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[st
     for path, entry in doc.items():
         try:
             shape = tuple(int(d) for d in entry["shape"])
-            leaves[reference_path(path)] = (shape, spec_text(canonical_spec(entry[spec_key], len(shape))))
+            leaves[reference_path(path)] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: leaf {path!r} has no readable shape/{spec_key}") from None
     return leaves
@@ -97,7 +90,7 @@ def our_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[str, Lea
     for path, entry in doc.get("tensors", {}).items():
         try:
             shape = tuple(int(d) for d in entry["shape"])
-            leaves[path] = (shape, spec_text(canonical_spec(entry[spec_key], len(shape))))
+            leaves[path] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: tensor {path!r} has no readable shape/{spec_key}") from None
     return leaves

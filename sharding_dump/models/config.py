@@ -1,19 +1,32 @@
 """Model cards: hyperparameters as data (`data/models/<name>.yml`), loaded into a frozen ModelConfig.
 
 A card is checked against `data/schemas/model-card.schema.json`; its keys are ModelConfig's fields.
-Settings that belong to the run rather than the model (weight dtype) are filled in by
-:func:`load_config`.
+Its `decoder_block` names a block of `data/blocks.yml` (or one an installed package registers), and
+every field the card sets away from its default must be one that block honours: a card cannot
+describe one model and build another. Settings that belong to the run rather than the model (weight
+dtype) are filled in by :func:`load_config`.
+
+A model reference is a card name (shipped, or registered by an installed package through the
+`sharding_dump.cards` entry-point group) or a path to a card file ending .yml/.yaml:
+
+>>> resolve_model("llama3.1-8b")[0]
+'llama3.1-8b'
+>>> load_config("llama3.1-8b").num_kv_heads
+8
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.metadata
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharding_dump.errors import BadInput
-from sharding_dump.resources import MODELS_DIR, load_yaml, validate
+from sharding_dump.resources import DATA_DIR, MODELS_DIR, load_yaml, validate
 
 if TYPE_CHECKING:
     from sharding_dump.models.pipeline import PipelineConfig
@@ -94,32 +107,211 @@ class ModelConfig:
         return self.num_moe_layers // self.inhomogeneous_layer_cycle_interval
 
 
-def model_names() -> list[str]:
-    """Every model card shipped with the package."""
-    return sorted(p.stem for p in MODELS_DIR.glob("*.yml"))
+BLOCKS_FILE = DATA_DIR / "blocks.yml"
 
 
-def check_model_name(name: str) -> None:
-    """BadInput unless `name` is a known model card."""
-    if name not in model_names():
-        raise BadInput(f"unknown model {name!r}: valid models are {', '.join(model_names())}")
+FAMILY_GROUP = "sharding_dump.families"  # entry points: block name -> Flax module class taking a ModelConfig
+CARD_GROUP = "sharding_dump.cards"  # entry points: a directory of card files, or a callable returning one
+CARD_SUFFIXES = (".yml", ".yaml")
 
 
-def card_path(name: str) -> Path:
-    """The file of model card `name` (checked to be a known card)."""
-    check_model_name(name)
-    return MODELS_DIR / f"{name}.yml"
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A decoder block: where its module lives and which card fields it honours."""
+
+    name: str
+    module: str  # "package.module:Class" (shipped) or the entry point's value (registered)
+    fields: frozenset[str] | None  # honoured beyond the common ones; None: read from the class
+    required: tuple[str, ...] = ()
+    equal: tuple[tuple[str, str], ...] = ()
+    entry_point: importlib.metadata.EntryPoint | None = None
 
 
 @functools.cache
-def _card(name: str) -> dict[str, Any]:
-    path = card_path(name)
+def _shipped_blocks() -> tuple[frozenset[str], dict[str, Block]]:
+    data = load_yaml(BLOCKS_FILE, "decoder blocks")
+    validate(data, "blocks", f"decoder blocks {BLOCKS_FILE}")
+    blocks = {name: Block(name, spec["module"], frozenset(spec["fields"]), tuple(spec.get("required", ())),
+                          tuple((a, b) for a, b in spec.get("equal", ())))
+              for name, spec in data["blocks"].items()}
+    return frozenset(data["common"]), blocks
+
+
+def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
+    """The installed entry points of `group`, by name (read afresh: sys.path may have grown)."""
+    return sorted(importlib.metadata.entry_points(group=group), key=lambda ep: (ep.name, ep.value))
+
+
+def decoder_blocks() -> dict[str, Block]:
+    """Every decoder block: data/blocks.yml's and those installed packages register."""
+    _, blocks = _shipped_blocks()
+    blocks = dict(blocks)
+    for ep in _entry_points(FAMILY_GROUP):
+        if ep.name in blocks:
+            raise BadInput(f"entry point {ep.name} = {ep.value} (group {FAMILY_GROUP}): decoder block "
+                           f"{ep.name!r} already exists; register the family under another name")
+        blocks[ep.name] = Block(ep.name, ep.value, None, entry_point=ep)
+    return blocks
+
+
+def block_class(name: str) -> Any:
+    """The Flax module class of decoder block `name` (imported only now: this module needs no flax)."""
+    block = _block(name, "decoder block")
+    if block.entry_point is not None:
+        try:
+            return block.entry_point.load()
+        except Exception as err:  # a broken plugin is the user's input, not our crash
+            raise BadInput(f"entry point {block.name} = {block.module} (group {FAMILY_GROUP}): cannot be "
+                           f"loaded ({type(err).__name__}: {err})") from None
+    module, _, attr = block.module.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _block(name: str, where: str) -> Block:
+    blocks = decoder_blocks()
+    if name not in blocks:
+        raise BadInput(f"{where}: field decoder_block: {name!r} is not a decoder block: valid blocks are "
+                       f"{', '.join(sorted(blocks))}")
+    return blocks[name]
+
+
+def honoured_fields(name: str) -> frozenset[str]:
+    """The card fields decoder block `name` reads (the common ones included)."""
+    common, _ = _shipped_blocks()
+    block = _block(name, "decoder block")
+    fields = block.fields
+    if fields is None:
+        fields = frozenset(getattr(block_class(name), "card_fields", ()))
+    return common | fields
+
+
+def _registered_card_dirs() -> list[tuple[str, Path]]:
+    """(entry point, directory) of every card directory installed packages register."""
+    found = []
+    for ep in _entry_points(CARD_GROUP):
+        where = f"entry point {ep.name} = {ep.value} (group {CARD_GROUP})"
+        try:
+            target = ep.load()
+            target = target() if callable(target) else target
+        except Exception as err:
+            raise BadInput(f"{where}: cannot be loaded ({type(err).__name__}: {err})") from None
+        if not isinstance(target, (str, Path)) or not Path(target).is_dir():
+            raise BadInput(f"{where}: gives {target!r}, not a directory of model card files")
+        found.append((where, Path(target)))
+    return found
+
+
+def card_files() -> dict[str, Path]:
+    """Every known card by name: the shipped ones, then those registered through entry points."""
+    cards = {p.stem: p for p in sorted(MODELS_DIR.glob("*.yml"))}
+    for where, directory in _registered_card_dirs():
+        for path in sorted(p for p in directory.iterdir() if p.suffix in CARD_SUFFIXES):
+            if path.stem in cards and cards[path.stem].resolve() != path.resolve():
+                raise BadInput(f"{where}: card {path.stem!r} ({path}) has the name of {cards[path.stem]}; "
+                               f"rename it")
+            cards[path.stem] = path
+    return cards
+
+
+def model_names() -> list[str]:
+    """Every model card: shipped with the package or registered by an installed package."""
+    return sorted(card_files())
+
+
+def is_card_path(ref: str) -> bool:
+    """True when a model reference is a card file (ends .yml/.yaml) rather than a card name."""
+    return str(ref).lower().endswith(CARD_SUFFIXES)
+
+
+def resolve_model(ref: str) -> tuple[str, Path]:
+    """(card name, card file) of a model reference: a known card name or a path to a card file.
+
+    A card given by path is named by its `name` field (that is what the case is called), which must
+    not be the name of another known card."""
+    if not is_card_path(ref):
+        cards = card_files()
+        if ref not in cards:
+            raise BadInput(f"unknown model {ref!r}: valid models are {', '.join(sorted(cards))}, "
+                           f"or a path to a card file ending .yml/.yaml")
+        return ref, cards[ref]
+    path = Path(ref)
+    name = load_card(ref)["name"]
+    known = card_files().get(name)
+    if known is not None and known.resolve() != path.resolve():
+        raise BadInput(f"model card {path}: field name: {name!r} is the name of the model card {known}; "
+                       f"give this card its own name")
+    return name, path
+
+
+def check_model_name(ref: str) -> None:
+    """BadInput unless `ref` is a known model card or a valid card file."""
+    resolve_model(ref)
+
+
+def card_path(ref: str) -> Path:
+    """The file of a model reference (checked to be a known card or a valid card file)."""
+    return resolve_model(ref)[1]
+
+
+def load_card(ref: str) -> dict[str, Any]:
+    """The checked content of a card (by name or path): schema, block, honoured fields, consistency."""
+    if is_card_path(ref):
+        path, expected_name = Path(ref), None
+    else:
+        path, expected_name = card_path(ref), ref
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        raise BadInput(f"model card {path}: no such file") from None
+    return _read_card(path, stamp, expected_name)
+
+
+@functools.cache
+def _read_card(path: Path, stamp: int, expected_name: str | None) -> dict[str, Any]:
+    where = f"model card {path}"
     data = load_yaml(path, "model card")
-    validate(data, "model-card", f"model card {path}")
-    if data["name"] != name:
-        raise BadInput(f"model card {path}: field name: {data['name']!r} must match the file name {name!r}")
-    check_card_consistency(data, f"model card {path}")
+    validate(data, "model-card", where)
+    if expected_name is not None and data["name"] != expected_name:
+        raise BadInput(f"{where}: field name: {data['name']!r} must match the file name {expected_name!r}")
+    check_card_block(data, where)
+    check_card_consistency(data, where)
     return data
+
+
+def _default(field: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(ModelConfig)}.get(field, dataclasses.MISSING)
+
+
+def _same(value: Any, default: Any) -> bool:
+    """A card value equal to the ModelConfig default (lists as tuples; True is not 1)."""
+    if isinstance(default, tuple) and isinstance(value, list):
+        value = tuple(value)
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def check_card_block(card: dict[str, Any], where: str) -> None:
+    """Every field the card sets must be honoured by its decoder block (or be at its default), the
+    block's required fields present and its paired fields equal: else BadInput naming the field."""
+    name = card["decoder_block"]
+    block = _block(name, where)
+    honoured = honoured_fields(name)
+    for field, value in card.items():
+        if field in honoured or _same(value, _default(field)):
+            continue
+        others = sorted(b for b in decoder_blocks() if decoder_blocks()[b].fields is not None
+                        and field in honoured_fields(b))
+        hint = f"blocks that honour it: {', '.join(others)}" if others else "no decoder block honours it"
+        raise BadInput(f"{where}: field {field}: {json.dumps(value)} is ignored by decoder block {name!r}, "
+                       f"which would build the model without it; remove the field or use another block "
+                       f"({hint})")
+    for field in block.required:
+        if field not in card:
+            raise BadInput(f"{where}: field {field}: decoder block {name!r} requires it")
+    for first, second in block.equal:
+        a, b = card.get(first, _default(first)), card.get(second, _default(second))
+        if a != b:
+            raise BadInput(f"{where}: field {first}: {json.dumps(a)} must equal {second} ({json.dumps(b)}): "
+                           f"decoder block {name!r} builds both from one value")
 
 
 def check_card_consistency(card: dict[str, Any], where: str) -> None:
@@ -146,9 +338,9 @@ def check_card_consistency(card: dict[str, Any], where: str) -> None:
                        f"num_decoder_layers ({layers})")
 
 
-def load_config(name: str, **run_settings: Any) -> ModelConfig:
-    """The ModelConfig of card `name`, with run settings (e.g. weight_dtype) applied."""
-    data = dict(_card(name))
+def load_config(ref: str, **run_settings: Any) -> ModelConfig:
+    """The ModelConfig of a card (by name or path), with run settings (e.g. weight_dtype) applied."""
+    data = dict(load_card(ref))
     if "mlp_activations" in data:
         data["mlp_activations"] = tuple(data["mlp_activations"])
     if "logical_axis_rules" in data:

@@ -1,0 +1,1 @@
+"""Worked examples: your own model under sharding-dump (not imported by the package)."""

@@ -1,0 +1,13 @@
+"""The model-agnostic core: abstract state, leaf layouts, activation constraints, golden documents.
+
+Nothing here knows about model cards, topologies or the case matrix: it takes the user's own model
+(a Flax linen module or an NNX module factory), optimizer, mesh and logical axis rules. The CLI, the
+pytest plugin and the built-in model zoo are clients of it. Modules:
+
+* :mod:`specs`: the one partition-spec normaliser (no jax import);
+* :mod:`state`: the abstract training state of any model and optax optimizer;
+* :mod:`layout`: the layout of every leaf on a mesh under a rule set;
+* :mod:`capture`: activation constraints met while tracing any function;
+* :mod:`step`: a next-token training step for any causal LM;
+* :mod:`documents`: the golden JSON documents of those layouts.
+"""

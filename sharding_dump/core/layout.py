@@ -1,0 +1,155 @@
+"""The layout of every leaf of a state on a mesh: shape, dtype, logical axes, partition spec,
+per-device shape and bytes.
+
+:func:`leaf_layout` lays out one leaf; :func:`tensor_layouts` maps it over a state tree whose leaves
+carry their logical axes (flax `Partitioned` boxes, as linen's `with_logical_partitioning` and
+:func:`sharding_dump.core.state.abstract_train_state` leave them).
+
+>>> import jax, flax.linen as nn
+>>> from jax.sharding import AbstractMesh
+>>> mesh = AbstractMesh((4, 2), ("fsdp", "tensor"))
+>>> rules = [("embed", "fsdp"), ("mlp", "tensor")]
+>>> leaf = nn.Partitioned(jax.ShapeDtypeStruct((1024, 4096), "float32"), names=("embed", "mlp"))
+>>> (t,) = tensor_layouts({"w": leaf}, mesh, rules)
+>>> t.path, t.partition_spec, t.per_device_shape, t.per_device_bytes
+('w', P('fsdp', 'tensor'), (256, 2048), 2097152)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sharding_dump.core import specs
+
+LogicalAxes = tuple[str | None, ...]
+Rules = Sequence[tuple[str, Any]]
+# A hook that may change a leaf's resolved spec (e.g. ZeRO-1 adds `data` to optimizer moments).
+SpecTransform = Callable[[str, tuple[int, ...], PartitionSpec], PartitionSpec]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """One leaf: logical and physical layout, and what one device holds of it."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical_axes: LogicalAxes
+    partition_spec: PartitionSpec
+    mesh_sizes: Mapping[str, int]
+
+    @property
+    def per_device_shape(self) -> tuple[int, ...]:
+        """Each dim divided by the product of its mesh axes (rounded up: XLA pads a ragged split)."""
+        return tuple(-(-dim // self.shards(i)) for i, dim in enumerate(self.shape))
+
+    @property
+    def per_device_bytes(self) -> int:
+        """Bytes of the largest shard: what every device holds of this leaf (padding included)."""
+        return math.prod(self.per_device_shape) * specs.itemsize(self.dtype)
+
+    @property
+    def group(self) -> str:
+        """The top-level part of the state the leaf belongs to (params, opt_state, step...)."""
+        return self.path.split("/", 1)[0]
+
+    def axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes dimension `dim` is split over (size-1 axes included)."""
+        return specs.spec_axes(self.partition_spec, len(self.shape))[dim]
+
+    def shards(self, dim: int) -> int:
+        """How many pieces dimension `dim` is split into."""
+        return math.prod(self.mesh_sizes[a] for a in self.axes(dim))
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """{axis name: size} of a `Mesh` or `AbstractMesh`."""
+    return dict(mesh.shape)
+
+
+def rules_of(rules: Any) -> tuple[tuple[str, Any], ...]:
+    """Logical axis rules as flax wants them: pairs of (logical name, mesh axis | tuple | None).
+    Takes a sequence of pairs (lists from YAML are fine) or anything with `logical_axis_rules`."""
+    pairs = getattr(rules, "logical_axis_rules", rules)
+    return tuple((name, specs.rule_axes(axes)) for name, axes in pairs)
+
+
+def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:
+    """The physical PartitionSpec of one logical spec, by flax's own resolver.
+
+    >>> resolve(("embed", "mlp"), [("embed", "fsdp"), ("mlp", ("fsdp", "tensor"))])
+    P('fsdp', None)
+    """
+    return nn.logical_to_mesh_axes(tuple(logical_axes), rules_of(rules))
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def _key_text(entry: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    raise TypeError(f"unexpected pytree key {entry!r}")
+
+
+def path_text(key_path: Sequence[Any]) -> str:
+    """A pytree key path as the '/'-joined path the goldens use (a box's `value` is not a level)."""
+    return "/".join(_key_text(k) for k in key_path
+                    if not isinstance(k, jax.tree_util.GetAttrKey) or k.name != "value")
+
+
+def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
+    """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
+    no logical axes: all None)."""
+    out = []
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box):
+        if _is_box(leaf):
+            array, logical = leaf.value, tuple(leaf.names)
+        else:
+            array, logical = leaf, (None,) * len(leaf.shape)
+        out.append((path_text(key_path), array, logical))
+    return sorted(out, key=lambda item: item[0])
+
+
+def unbox(state: Any) -> Any:
+    """The state with every `Partitioned` box replaced by its value (no constraint applied)."""
+    return jax.tree.map(lambda x: x.value if _is_box(x) else x, state, is_leaf=_is_box)
+
+
+def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
+                transform: SpecTransform | None = None) -> TensorLayout:
+    """The layout of one leaf: its logical axes resolved by `rules` on `mesh`."""
+    shape = tuple(int(d) for d in array.shape)
+    spec = resolve(logical_axes, rules)
+    if transform is not None:
+        spec = transform(path, shape, spec)
+    spec = NamedSharding(mesh, spec).spec  # the spec exactly as a NamedSharding on this mesh holds it
+    return TensorLayout(path, shape, jax.numpy.dtype(array.dtype).name, tuple(logical_axes), spec,
+                        mesh_sizes(mesh))
+
+
+def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform | None = None) -> list[TensorLayout]:
+    """The layout of every leaf of `state` (a pytree of abstract arrays, boxed with logical axes)."""
+    return [leaf_layout(path, array, logical, mesh, rules, transform) for path, array, logical in leaves(state)]
+
+
+def per_device_totals(layouts: Sequence[TensorLayout]) -> dict[str, int]:
+    """Bytes each device holds per top-level group of the state, and their `total`."""
+    totals: dict[str, int] = {}
+    for t in layouts:
+        totals[t.group] = totals.get(t.group, 0) + t.per_device_bytes
+    totals["total"] = sum(totals.values())
+    return dict(sorted(totals.items()))
+
+
+def indivisible(layouts: Sequence[TensorLayout]) -> list[tuple[TensorLayout, int]]:
+    """(leaf, dimension) pairs whose size does not split evenly over the dimension's mesh axes."""
+    return [(t, dim) for t in layouts for dim, size in enumerate(t.shape) if size % t.shards(dim)]

@@ -1,0 +1,81 @@
+"""Partition specs in one canonical form, without importing jax.
+
+A spec entry may arrive as None, (), a mesh axis name, a tuple or list of names (from a
+`PartitionSpec`, YAML, JSON or a MaxText dump). :func:`entry_axes` turns one entry into a tuple of
+mesh axes; every other spec function in the package is built on it.
+
+>>> entry_axes(None), entry_axes("fsdp"), entry_axes(["data", "fsdp"])
+((), ('fsdp',), ('data', 'fsdp'))
+>>> spec_axes(("fsdp", None), 3)
+(('fsdp',), (), ())
+>>> spec_to_json((("fsdp",), ("data", "expert")), 3)
+['fsdp', ['data', 'expert'], None]
+>>> spec_to_json(["fsdp", ["tensor", "expert"]], 2, sizes={"fsdp": 4, "tensor": 1, "expert": 2})
+['fsdp', 'expert']
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+SpecJson = list[None | str | list[str]]
+SpecAxes = tuple[tuple[str, ...], ...]
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one spec entry names, as a tuple (empty for None or ())."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def rule_axes(value: Any) -> None | str | tuple[str, ...]:
+    """A rule's right-hand side as flax's resolver wants it: None, one axis name, or a tuple (YAML
+    and JSON give lists)."""
+    return value if value is None or isinstance(value, str) else tuple(value)
+
+
+def spec_axes(spec: Sequence[Any] | None, ndim: int, sizes: Mapping[str, int] | None = None) -> SpecAxes:
+    """One tuple of mesh axes per dimension (a short spec is padded); with `sizes`, axes of size 1
+    are dropped (what a device actually splits over)."""
+    entries = tuple(spec or ())
+    out = []
+    for dim in range(ndim):
+        axes = entry_axes(entries[dim] if dim < len(entries) else None)
+        if sizes is not None:
+            axes = tuple(a for a in axes if sizes.get(a, 1) != 1)
+        out.append(axes)
+    return tuple(out)
+
+
+def spec_to_json(spec: Sequence[Any] | None, ndim: int, sizes: Mapping[str, int] | None = None) -> SpecJson:
+    """The golden JSON form: per dimension null, an axis name, or a list of two or more names."""
+    return [None if not axes else axes[0] if len(axes) == 1 else list(axes)
+            for axes in spec_axes(spec, ndim, sizes)]
+
+
+def shards(spec: Sequence[Any] | None, dim: int, sizes: Mapping[str, int]) -> int:
+    """How many pieces dimension `dim` is split into."""
+    return math.prod(sizes[a] for a in spec_axes(spec, dim + 1)[dim])
+
+
+_BITS = re.compile(r"(\d+)")
+_ITEMSIZE = {"bool": 1}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (float32, bfloat16, int8, float8_e4m3fn, ...), without jax.
+
+    >>> itemsize("bfloat16"), itemsize("float32"), itemsize("float8_e4m3fn"), itemsize("bool")
+    (2, 4, 1, 1)
+    """
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    match = _BITS.search(dtype)
+    if match is None:
+        raise ValueError(f"dtype {dtype!r}: no bit width in its name")
+    return max(1, int(match.group(1)) // 8)

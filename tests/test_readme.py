@@ -1,0 +1,32 @@
+"""The README's "Your own model" section runs as written: its model, rule file, dump command and test."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+from helpers import REPO
+from sharding_dump import cli
+
+SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", SECTION, re.S)
+
+
+def block(lang: str, index: int = 0) -> str:
+    return [code for kind, code in BLOCKS if kind == lang][index]
+
+
+def test_readme_model_dumps_and_its_test_passes(tmp_path, monkeypatch, pytester=None):
+    (tmp_path / "mylm.py").write_text(block("python"))
+    (tmp_path / "rules.yml").write_text(block("yaml"))
+    monkeypatch.chdir(tmp_path)
+    words = shlex.split(block("bash").strip())
+    assert words[0] == "sharding-dump"
+    assert cli.main(words[1:]) == 0
+    folder = tmp_path / "golden/mylm-make_lm/cpu-16/slice_1/rule_rules_ici_fsdp_parallelism=4_ici_tensor_parallelism=4"
+    acts = json.loads((folder / "activation_shardings.json").read_text())["tensors"]
+    assert acts["forward/block_0/batch.length.mlp"]["partition_spec"] == [["data", "fsdp"], None, "tensor"]
+    named = json.loads((folder / "named_shardings.json").read_text())["tensors"]
+    assert named["params/block_0/up/kernel"]["partition_spec"] == ["fsdp", "tensor"]
+    assert sum(1 for p in named if p.startswith("params/")) == 9

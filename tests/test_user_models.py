@@ -1,0 +1,197 @@
+"""Bring your own model: the public API and `--model package.module:factory` on a linen and an NNX
+causal LM written outside the package (examples/), plus the activation capture's edges."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+import sharding_dump as sd
+from helpers import REPO, assert_bad_input
+from sharding_dump import cli
+from sharding_dump.core import capture
+
+EXAMPLE_ARGS = ["--topology", "cpu-8", "--rule", "examples/rules.yml", "ici_fsdp_parallelism=4",
+                "ici_tensor_parallelism=2"]
+CASE = "cpu-8/slice_1/rule_rules_ici_fsdp_parallelism=4_ici_tensor_parallelism=2"
+
+
+def dump_example(tmp_path, monkeypatch, factory: str) -> dict[str, dict]:
+    monkeypatch.chdir(REPO)
+    assert cli.main(["--model", factory, *EXAMPLE_ARGS, "--output-dir", str(tmp_path)]) == 0
+    folder = tmp_path / factory.replace(":", "-") / CASE
+    return {p.name: json.loads(p.read_text()) for p in folder.iterdir()}
+
+
+def params_of(named: dict) -> int:
+    return sum(math.prod(t["shape"]) for path, t in named["tensors"].items() if path.startswith("params/"))
+
+
+def test_linen_model_by_factory(tmp_path, monkeypatch):
+    docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
+    from examples.linen_lm import small_lm
+
+    own = jax.eval_shape(small_lm().init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    assert params_of(docs["named_shardings.json"]) == sum(math.prod(x.shape) for x in jax.tree.leaves(own))
+    named = docs["named_shardings.json"]["tensors"]
+    assert named["params/block_0/up/kernel"]["partition_spec"] == ["fsdp", "tensor"]
+    assert named["opt_state/0/mu/block_0/up/kernel"]["partition_spec"] == ["fsdp", "tensor"]
+    assert docs["logical_shardings.json"]["tensors"]["params/embedder/embedding"]["logical_axes"] == ["vocab", "embed"]
+    acts = docs["activation_shardings.json"]["tensors"]
+    hidden = acts["forward/block_1/batch.length.mlp"]
+    assert hidden["logical_axes"] == ["batch", "length", "mlp"]
+    assert hidden["partition_spec"] == [["data", "fsdp"], None, "tensor"] and hidden["per_device_shape"] == [24, 2048, 2048]
+    assert acts["backward/block_1/batch.length.mlp"]["partition_spec"] == hidden["partition_spec"]
+    assert acts["forward/batch.length.vocab"]["partition_spec"] == [["data", "fsdp"], None, "tensor"]
+
+
+def test_nnx_model_by_factory(tmp_path, monkeypatch):
+    docs = dump_example(tmp_path, monkeypatch, "examples.nnx_lm:small_lm")
+    from examples.nnx_lm import small_lm
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(small_lm)
+    own = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert params_of(docs["named_shardings.json"]) == own
+    named = docs["named_shardings.json"]["tensors"]
+    assert named["params/blocks/up/kernel"]["partition_spec"] == [None, "fsdp", "tensor"]  # scanned: layers first
+    assert docs["logical_shardings.json"]["tensors"]["params/blocks/up/kernel"]["logical_axes"] == ["layers", "embed", "mlp"]
+    acts = docs["activation_shardings.json"]["tensors"]
+    assert acts["forward/blocks/batch.length.mlp"]["partition_spec"] == [["data", "fsdp"], None, "tensor"]
+    assert "backward/blocks/batch.length.embed" in acts
+
+
+def test_example_rule_edit_changes_the_dump(tmp_path, monkeypatch):
+    """The example's golden bites: mapping `mlp` to nothing changes the MLP kernels and activations."""
+    monkeypatch.chdir(REPO)
+    rules = (REPO / "examples/rules.yml").read_text().replace("- [mlp, tensor]", "- [mlp, null]")
+    edited = tmp_path / "rules.yml"
+    edited.write_text(rules)
+    model = sd.as_model(__import__("examples.linen_lm", fromlist=["small_lm"]).small_lm())
+    mesh = AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"))
+    before = sd.tensor_layouts(sd.abstract_train_state(model.abstract_params()), mesh,
+                               [("mlp", "tensor"), ("embed", "fsdp")])
+    after = sd.tensor_layouts(sd.abstract_train_state(model.abstract_params()), mesh,
+                              [("mlp", None), ("embed", "fsdp")])
+    changed = {a.path for a, b in zip(before, after) if a.partition_spec != b.partition_spec}
+    assert "params/block_0/up/kernel" in changed and "opt_state/0/nu/block_3/down/kernel" in changed
+
+
+class Mixed(nn.Module):
+    """One logical constraint, one plain jax constraint, one named one, and a boxed parameter."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp")), (4, 8))
+        x = nn.with_logical_constraint(x, ("batch", "embed"))
+        y = jax.lax.with_sharding_constraint(x @ w, P("data", None))
+        return sd.constrain(y, ("batch", "mlp"), "hidden")
+
+
+MESH = AbstractMesh((2, 2), ("data", "model"))
+RULES = [("batch", "data"), ("mlp", "model"), ("embed", None)]
+
+
+def test_capture_of_flax_jax_and_named_constraints():
+    module = Mixed()
+    with jax.sharding.use_abstract_mesh(MESH):  # a plain P(...) constraint needs a mesh, at init too
+        params = jax.eval_shape(module.init, jax.random.key(0), jax.ShapeDtypeStruct((8, 4), jnp.float32))["params"]
+
+    def loss(p, x):  # boxed parameters: flax constrains `w` when it is read; that is not an activation
+        return module.apply({"params": p}, x).sum()
+
+    found = {c.key: c for c in sd.record_activations(jax.grad(loss), params, jax.ShapeDtypeStruct((8, 4), jnp.float32),
+                                                     mesh=MESH, rules=RULES)}
+    # Gradients flow to the parameter only, so the input's constraint has no backward twin.
+    assert set(found) == {"forward/batch.embed", "forward/sharding_constraint", "forward/hidden",
+                          "backward/sharding_constraint", "backward/hidden"}
+    assert found["forward/batch.embed"].logical_axes == ("batch", "embed")
+    assert tuple(found["forward/batch.embed"].partition_spec) == ("data", None)
+    assert found["forward/sharding_constraint"].logical_axes == (None, None)
+    assert tuple(found["forward/hidden"].partition_spec) == ("data", "model")
+    assert all(c.shape != (4, 8) for c in found.values()), "a parameter read was taken for an activation"
+
+
+def test_hooks_are_removed_after_a_recording():
+    from flax.linen import spmd
+
+    before = (spmd._with_sharding_constraint_one_fallback, jax.lax.with_sharding_constraint)
+    with capture.recording():
+        assert jax.lax.with_sharding_constraint is not before[1]
+    assert (spmd._with_sharding_constraint_one_fallback, jax.lax.with_sharding_constraint) == before
+
+
+def test_derived_names_that_collide_are_numbered():
+    def f(x):
+        a = nn.with_logical_constraint(x, ("batch", "embed"))
+        b = nn.with_logical_constraint(x[:4], ("batch", "embed"))
+        return a.sum() + b.sum()
+
+    keys = [c.key for c in sd.record_activations(f, jax.ShapeDtypeStruct((8, 4), jnp.float32), mesh=MESH, rules=RULES)]
+    assert keys == ["forward/batch.embed", "forward/batch.embed-2"]
+
+
+def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
+    """The one-call API and the CLI give the same named layout for the same model, mesh and rules."""
+    from examples.linen_lm import small_lm
+    from sharding_dump.rules import load_rule
+
+    docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
+    api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor")),
+                        load_rule("examples/rules.yml"), batch_shape=(96, 2048), input_axes=("batch", "length"))
+    assert api["named_shardings.json"]["tensors"] == docs["named_shardings.json"]["tensors"]
+    assert api["activation_shardings.json"]["tensors"] == docs["activation_shardings.json"]["tensors"]
+
+
+@pytest.mark.parametrize("model, message", [
+    ("no_such_module:factory", "cannot import no_such_module"),
+    ("examples.linen_lm:no_such_factory", "has no attribute 'no_such_factory'"),
+    ("examples.linen_lm:small_lm:x", "a factory is written package.module:function"),
+    ("examples/linen_lm.py:small_lm", "unknown model"),
+    ("examples.linen_lm:" + "x" * 300, "at most 200 characters"),
+])
+def test_bad_factory_references(tmp_path, capsys, monkeypatch, model, message):
+    monkeypatch.chdir(REPO)
+    assert_bad_input(tmp_path, capsys, f"--model {model} --topology cpu-8 --rule examples/rules.yml", message)
+
+
+@pytest.mark.parametrize("setting", ["weight_dtype=bfloat16", "shard_mode=explicit", "num_pipeline_microbatches=4"])
+def test_card_only_settings_are_refused_for_factories(tmp_path, capsys, monkeypatch, setting):
+    monkeypatch.chdir(REPO)
+    assert_bad_input(tmp_path, capsys, f"--model examples.linen_lm:small_lm --topology cpu-8 "
+                                       f"--rule examples/rules.yml {setting}", "applies to built-in models only")
+
+
+def test_import_is_light_and_changes_nothing():
+    code = ("import os, sys; env = dict(os.environ); import sharding_dump; "
+            "assert dict(os.environ) == env, 'environment changed'; "
+            "heavy = sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules); print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def test_diff_runs_without_jax():
+    code = ("import sys; from sharding_dump.cli import main; status = main(['diff', 'golden', 'golden']); "
+            "assert status == 0, status; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_check_and_show_take_a_factory_model(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    case = ["--model", "examples.nnx_lm:small_lm", *EXAMPLE_ARGS]
+    assert cli.main(["show", *case]) == 0
+    table = capsys.readouterr().out
+    assert "params/blocks/up/kernel" in table and '["layers","embed","mlp"]' in table
+    assert cli.main(["check", *case]) == 0
+    assert "clean" in capsys.readouterr().out
