@@ -27,20 +27,55 @@ def test_matrix_has_the_pipeline_cases():
                for c in PIPELINE_CASES)
 
 
+def test_matrix_covers_every_stage_layout():
+    layouts = {(p.layers_per_stage > 1, p.scan_layers_per_stage)
+               for p in (SETUPS[c.label].config.pipeline for c in PIPELINE_CASES)}
+    assert layouts == {(False, False), (True, False), (True, True)}
+
+
 @pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: c.label)
-def test_stacked_layer_weights_are_on_stage(case):
+def test_stacked_layer_weights_are_laid_out_as_maxtext(case):
+    """[R,] N leading dims named ([circular_repeats,] layers), stage on `stage`; a stage of one layer
+    has no layer axis of its own, K unscanned layers are `layers_<k>`, K scanned ones share one
+    weight with `layers_per_stage` (size K) at position 1 of the layer's own axes."""
     docs = dump_case(case)
     named, logical = docs["named_shardings.json"]["tensors"], docs["logical_shardings.json"]["tensors"]
     stacked = [path for path in named if "/stages/" in path]
     assert len(stacked) >= 3 * 9  # params, mu and nu of every stacked weight
     pp = SETUPS[case.label].config.pipeline
+    lead = ["circular_repeats", "layers"] if pp.num_repeats > 1 else ["layers"]
+    unscanned = pp.layers_per_stage > 1 and not pp.scan_layers_per_stage
     for path in stacked:
-        axes = logical[path]["logical_axes"]
-        assert "layers" in axes and "layers_per_stage" in axes, (path, axes)
-        stage_dim = axes.index("layers")
-        assert named[path]["partition_spec"][stage_dim] == "stage", path
-        assert named[path]["shape"][stage_dim] == pp.num_stages
-        assert named[path]["shape"][axes.index("layers_per_stage")] == pp.layers_per_stage
+        axes, shape = logical[path]["logical_axes"], named[path]["shape"]
+        assert axes[:len(lead)] == lead, (path, axes)
+        assert shape[:len(lead)] == ([pp.num_repeats] if pp.num_repeats > 1 else []) + [pp.num_stages], path
+        assert named[path]["partition_spec"][len(lead) - 1] == "stage", path
+        if pp.layers_per_stage > 1 and pp.scan_layers_per_stage:
+            assert axes[len(lead) + 1] == "layers_per_stage" and shape[len(lead) + 1] == pp.layers_per_stage, path
+        else:
+            assert "layers_per_stage" not in axes, (path, axes)
+        stage_part = path.split("/stages/", 1)[1]
+        assert stage_part.startswith("layers_") == unscanned, path
+    if unscanned:
+        assert {p.split("/stages/", 1)[1].split("/")[0] for p in stacked} == {
+            f"layers_{k}" for k in range(pp.layers_per_stage)}
+
+
+def test_layers_outside_the_pipeline_are_not_on_stage():
+    """MaxText names the layer axis of the layers a pipeline leaves out `layers_outside_pipeline` (no rule:
+    unsharded); DeepSeek's leftover MoE layers keep `moe_layers`, its dense layers `dense_layers`."""
+    for case in PIPELINE_CASES:
+        setup = SETUPS[case.label]
+        if setup.config.pipeline.num_layers == setup.config.pipelined_stack_layers:
+            continue
+        docs = dump_case(case)
+        named, logical = docs["named_shardings.json"]["tensors"], docs["logical_shardings.json"]["tensors"]
+        outside = [p for p in named if p.startswith("params/") and "_outside_pipeline/" in p]
+        want = "moe_layers" if setup.config.first_num_dense_layers else "layers_outside_pipeline"
+        assert outside
+        for path in outside:
+            axes = logical[path]["logical_axes"]
+            assert want in axes and "stage" not in json.dumps(named[path]["partition_spec"]), (path, axes)
 
 
 @pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: c.label)
@@ -81,16 +116,43 @@ def test_pipeline_keeps_every_parameter():
 
 
 def test_schedule_arithmetic():
-    pp = PipelineConfig(num_stages=4, num_microbatches=8, num_repeats=2, num_layers=56)
-    assert (pp.layers_per_stage, pp.microbatches_per_stage, pp.num_iterations) == (7, 2, 19)
+    pp = PipelineConfig(num_stages=4, num_microbatches=8, num_repeats=2, num_layers=56, layers_per_stage=7)
+    assert (pp.microbatches_per_stage, pp.num_iterations) == (2, 19)
     assert pp.uses_circular_storage and not dataclasses.replace(pp, num_microbatches=4).uses_circular_storage
     with pytest.raises(BadInput, match="num_pipeline_microbatches=8: does not divide the global batch of 12"):
         pp.check_batch(12)
 
 
-def test_default_microbatches_are_one_per_stage():
+def test_maxtext_defaults_one_layer_per_stage_and_derived_repeats():
+    """num_layers_per_pipeline_stage=1, num_pipeline_repeats=-1 (layers / stages), one microbatch per stage."""
     setup = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={"ici_pipeline_parallelism": 4}))
-    assert setup.config.pipeline == PipelineConfig(4, 4, 1, 32)
+    assert setup.config.pipeline == PipelineConfig(4, 4, 8, 32, 1, False)
+    setup = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={
+        "ici_pipeline_parallelism": 4, "num_layers_per_pipeline_stage": 4}))
+    assert setup.config.pipeline == PipelineConfig(4, 4, 2, 32, 4, False)
+    deepseek = setup_case(Case.make("deepseek2-16b", "v6e-16", "pipeline-large-moe",
+                                    overrides={"ici_pipeline_parallelism": 4, "pipeline_parallel_layers": 24}))
+    assert deepseek.config.pipeline == PipelineConfig(4, 4, 6, 24, 1, False)
+
+
+def test_pipelined_run_puts_stage_first_in_the_logits_batch():
+    case = next(c for c in PIPELINE_CASES if c.rule == "default")
+    rules = dict(SETUPS[case.label].rule_set.logical_axis_rules)
+    assert rules["activation_embed_and_logits_batch"] == ("stage", "data", "fsdp", "fsdp_transpose", "expert")
+    acts = serialize.read_document(golden_dir(case, REPO / "golden") / "activation_shardings.json")["tensors"]
+    assert acts["forward/decoder/logits"]["partition_spec"][0][0] == "stage"
+    assert acts["forward/inputs"]["partition_spec"][0][0] == "stage"
+
+
+def test_deepseek_dense_layers_split_over_stage_as_data():
+    """Under a pipeline MaxText runs DeepSeek's dense layers (and the MoE layers left out) with
+    logical_axis_rules_pp_act_as_dp: their activation batch goes over stage, just before data."""
+    case = next(c for c in PIPELINE_CASES if c.model == "deepseek2-16b")
+    acts = dump_case(case)["activation_shardings.json"]["tensors"]
+    for key in ("forward/decoder/dense_layers/inputs", "forward/decoder/moe_layers_outside_pipeline/inputs"):
+        assert acts[key]["partition_spec"][0][:2] == ["stage", "data"], (key, acts[key]["partition_spec"])
+    piped = acts["forward/decoder/moe_layers/stages/inputs"]["partition_spec"]
+    assert "stage" not in json.dumps(piped[1:]), piped
 
 
 def test_layers_outside_the_pipeline_use_stage_as_data():
@@ -104,15 +166,20 @@ BAD = [
     ("ici_pipeline_parallelism=2 num_pipeline_microbatches=3",
      "num_pipeline_microbatches=3: must be a multiple of the 2 pipeline stages"),
     ("ici_pipeline_parallelism=2 num_pipeline_repeats=3",
-     "the model's layers (32) must be divisible by stages x repeats = 2 x 3"),
+     "num_pipeline_repeats=3: stages x repeats x num_layers_per_pipeline_stage = 2 x 3 x 1 = 6 must equal "
+     "pipeline_parallel_layers (32;"),
     ("ici_pipeline_parallelism=2 num_pipeline_repeats=2 pipeline_parallel_layers=10",
-     "pipeline_parallel_layers (10) must be divisible by stages x repeats = 2 x 2"),
+     "2 x 2 x 1 = 4 must equal pipeline_parallel_layers (10;"),
+    ("ici_pipeline_parallelism=2 num_layers_per_pipeline_stage=3",
+     "num_layers_per_pipeline_stage=3 x 2 stages = 6 must divide pipeline_parallel_layers (32;"),
     ("ici_pipeline_parallelism=2 pipeline_parallel_layers=40", "pipeline_parallel_layers=40: must be -1"),
     ("--rule pure-fsdp ici_pipeline_parallelism=2", "ici_pipeline_parallelism=2: rule 'pure-fsdp' has no 'stage' mesh axis"),
     ("--rule pure-fsdp num_pipeline_microbatches=4",
      "num_pipeline_microbatches=4: needs a pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism > 1), "
      "but rule 'pure-fsdp' has no 'stage' mesh axis"),
     ("num_pipeline_repeats=2", "num_pipeline_repeats=2: needs a pipeline"),
+    ("scan_layers_per_stage=true", "scan_layers_per_stage=true: needs a pipeline"),
+    ("num_layers_per_pipeline_stage=2", "num_layers_per_pipeline_stage=2: needs a pipeline"),
 ]
 
 

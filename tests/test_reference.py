@@ -2,7 +2,7 @@
 
 The reference entries below are written by hand, the way MaxText prints them (its own scope names,
 Python tuple / P(...) strings, size-1 mesh axes dropped), from the default rule file on a 2048-device
-slice with fsdp=512 and tensor=4: they are an independent expectation of what the dump must hold.
+slice with fsdp=256 and tensor=8: they are an independent expectation of what the dump must hold.
 """
 
 import json
@@ -16,9 +16,9 @@ from helpers import REPO
 from sharding_dump import reference, serialize
 from sharding_dump.errors import BadInput
 
-CASE = "llama2-7b/tpu7x-2048/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_tensor_parallelism=4"
+CASE = "llama2-7b/tpu7x-2048/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_tensor_parallelism=8"
 BLE = "('activation_batch', 'activation_norm_length', 'activation_embed')"
-KV = "('activation_kv_batch', 'activation_length', 'activation_kv_heads', 'activation_kv_head_dim')"
+KV = "('activation_kv_batch', 'activation_length_attn', 'activation_kv_heads', 'activation_kv_head_dim')"
 REFERENCE = {"Activation Sharding Dump": [
     {"llama2/inputs: bfloat16[24576,2048,4096]": {"logic_axes": BLE, "PartitionSpec": "P('fsdp', None, 'tensor')"}},
     {"attention/query: bfloat16[24576,2048,32,128]": {"logic_axes": KV, "PartitionSpec": "P('fsdp', None, 'tensor', None)"}},

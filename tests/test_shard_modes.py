@@ -72,12 +72,23 @@ def test_over_data_takes_the_first_evenly_split_dimension():
     assert state.over_data(P(), (6, 8), sizes) == P("data", None)
 
 
+def test_over_data_skips_tensor_even_of_size_1_as_maxtext_does():
+    """MaxText's ZeRO-1 never adds `data` to a dimension whose axes include `tensor` (size 1 or not)."""
+    sizes = {"data": 2, "fsdp": 4, "tensor": 1, "tensor_sequence": 2}
+    assert state.over_data(P("tensor", None), (8, 6), sizes) == P("tensor", "data")
+    assert state.over_data(P(("fsdp", "tensor"),), (16,), sizes) == P(("fsdp", "tensor"),)
+    assert state.over_data(P("tensor_sequence"), (8,), sizes) == P(("data", "tensor_sequence"),)  # only `tensor`
+    with pytest.raises(BadInput, match=r"shard_optimizer_over_data=true: a dimension of size 6 \(shape \(6, 8\)\) "
+                                       r"does not split evenly over fsdp \(4 shards\)"):
+        state.over_data(P("fsdp", None), (6, 8), sizes)
+
+
 BAD = [
     ("--rule pure-fsdp shard_optimizer_over_data=true", "shard_optimizer_over_data=true: rule 'pure-fsdp' has no 'data'"),
     ("shard_mode=implicit", "shard_mode='implicit': must be one of auto, explicit"),
-    ("--model qwen3-0.6b --topology v5p-16 ici_pipeline_parallelism=8 pipeline_parallel_layers=24 shard_mode=explicit",
-     "shard_mode=explicit: params/decoder/layers_outside_pipeline/mlp/wi_0/kernel dimension 1 (size 4) does not "
-     "split evenly over stage (8 shards)"),
+    ("--model deepseek3-671b --topology tpu7x-2048 shard_mode=explicit",
+     "shard_mode=explicit: params/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
+     "evenly over ['fsdp', 'context', 'context_usp_ulysses', 'expert'] (2048 shards)"),
 ]
 
 
