@@ -41,13 +41,23 @@ def display(path: Path) -> str:
         return Path(path).as_posix()
 
 
-def compare(case: Case, folder: Path, fresh: dict[str, bytes]) -> Outcome:
+def update_command(case: Case, root: str | Path | None) -> str:
+    """The command that rewrites `case`'s golden under `root`: with --golden-dir unless `root` is
+    where `sharding-dump` run here writes anyway (the project's golden folder)."""
+    from sharding_dump.project import load_project
+
+    if root is None or Path(root).resolve() == load_project().golden_dir:
+        return case.command()
+    return case.command(str(Path(root).resolve()))
+
+
+def compare(case: Case, folder: Path, fresh: dict[str, bytes], root: str | Path | None = None) -> Outcome:
     """Compares fresh bytes with the golden folder; on a difference, a per-tensor report."""
     missing = [name for name in fresh if not (folder / name).is_file()]
     if missing:
         return Outcome(case, folder, "missing",
                        f"no golden for {case.label} ({', '.join(missing)} missing in {display(folder)}).\n"
-                       f"Create it with:\n    {case.command()}")
+                       f"Create it with:\n    {update_command(case, root)}")
     stale = [p.name for p in sorted(folder.iterdir()) if p.name in GOLDEN_FILE_NAMES and p.name not in fresh]
     reports = []
     for name, data in fresh.items():
@@ -66,7 +76,7 @@ def compare(case: Case, folder: Path, fresh: dict[str, bytes]) -> Outcome:
     if not reports:
         return Outcome(case, folder, "match")
     text = (f"{case.label}: the dump differs from the golden in {display(folder)}\n" + "\n".join(reports) +
-            f"\nIf the change is intended, update the golden with:\n    {case.command()}"
+            f"\nIf the change is intended, update the golden with:\n    {update_command(case, root)}"
             f"\n(or pytest --update-goldens)")
     return Outcome(case, folder, "differs", text)
 
@@ -78,7 +88,7 @@ def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
     folder = golden_dir(case, root)
     fresh = render_case(case)
     if not update:
-        return compare(case, folder, fresh)
+        return compare(case, folder, fresh, root)
     written = []
     for name, data in fresh.items():
         path = folder / name
@@ -90,3 +100,11 @@ def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
             (folder / name).unlink()
             written.append(name)
     return Outcome(case, folder, "written" if written else "match", files=tuple(written))
+
+
+def update(case: Case, root: str | Path) -> tuple[Outcome, str]:
+    """check_or_update(update=True), and what it did to the golden: created, updated or unchanged
+    (for the summary line after an update)."""
+    existed = any((golden_dir(case, root) / name).is_file() for name in GOLDEN_FILE_NAMES)
+    outcome = check_or_update(case, root, update=True)
+    return outcome, "unchanged" if outcome.status == "match" else "updated" if existed else "created"

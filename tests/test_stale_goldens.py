@@ -15,9 +15,8 @@ CASES = [Case.make(*args) for args in CASE_ARGS]
 
 
 def make_project(root):
-    """A tiny project that uses the plugin: three cases whose golden folders exist, plus stale ones."""
+    """A tiny project that uses the plugin (by its entry point: no conftest): three cases whose golden folders exist, plus stale ones."""
     (root / "pytest.ini").write_text("[pytest]\n")
-    (root / "conftest.py").write_text('pytest_plugins = ["sharding_dump.pytest_plugin"]\n')
     (root / "test_tree.py").write_text(textwrap.dedent(f"""\
         import pytest
         from sharding_dump.case import Case
