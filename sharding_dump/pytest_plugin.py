@@ -111,7 +111,12 @@ class CaseItem(pytest.Item):
         self.case = case
 
     def runtest(self) -> None:
-        checker_for(self.config, self).check(self.case)
+        from sharding_dump.errors import BadInput
+
+        try:
+            checker_for(self.config, self).check(self.case)
+        except BadInput as err:  # a rule or card file of the case: one line, as the CLI says it
+            pytest.fail(f"sharding-dump: error: {err}", pytrace=False)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, pytest.fail.Exception):
@@ -211,4 +216,5 @@ class _Tally:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    project_of(config)  # a bad [tool.sharding-dump] is a usage error before anything runs
     config.pluginmanager.register(_Tally(), "sharding-dump-tally")

@@ -68,6 +68,8 @@ def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(tmp_
 
     updated = run_pytest(tmp_path, "-n", "2", "--update-goldens")
     assert updated.returncode == 0, updated.stdout
+    # what the worker did reaches the controller's summary line
+    assert "sharding-dump goldens: 0 updated, 0 created, 0 unchanged, 3 deleted" in updated.stdout
     assert not any((tmp_path / p.rstrip("/")).exists() for p in stale_paths)
     for case in CASES:
         assert (golden_dir(case, tmp_path / "golden") / "named_shardings.json").is_file()
