@@ -22,6 +22,7 @@ from sharding_dump.errors import BadInput
 from sharding_dump.golden import GOLDEN_FILE_NAMES, display
 
 NAMED_FILE = "named_shardings.json"
+ACTIVATIONS_FILE = "activation_shardings.json"
 LAYOUT_FIELDS = ("partition_spec", "per_device_shape", "per_device_bytes")  # shown as columns
 MAX_ROWS = 100  # per case in text and markdown; JSON has every row
 FORMATS = ("text", "markdown", "json")
@@ -117,7 +118,13 @@ def _read(folder: Path | None) -> dict[str, dict[str, Any]]:
 
 
 def tensor_bytes(entry: dict[str, Any] | None) -> int | None:
-    return None if entry is None else entry["per_device_bytes"]
+    """Bytes one device holds of a tensor; for an activation (no byte count recorded), from its
+    per-device shape and dtype."""
+    if entry is None:
+        return None
+    if "per_device_bytes" in entry:
+        return entry["per_device_bytes"]
+    return math.prod(entry["per_device_shape"]) * jnp.dtype(entry["dtype"]).itemsize
 
 
 def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
@@ -148,8 +155,7 @@ def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
     old_named, new_named = old_docs.get(NAMED_FILE), new_docs.get(NAMED_FILE)
     rows = []
     for tensor, (fields, slots) in diff.fold_slots(changes).items():
-        old_entry = (old_named or {}).get("tensors", {}).get(tensor)
-        new_entry = (new_named or {}).get("tensors", {}).get(tensor)
+        old_entry, new_entry = (_entry(docs, tensor) for docs in (old_docs, new_docs))
         other = {key: values for key, values in fields.items()
                  if key.split(": ", 1)[1] not in LAYOUT_FIELDS + ("(entry)",)}
         rows.append(Row(tensor, slots, (old_entry or {}).get("partition_spec"), (new_entry or {}).get("partition_spec"),
@@ -160,6 +166,15 @@ def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
     new_mem = (new_named or {}).get("per_device_bytes", {})
     memory = {group: (old_mem.get(group), new_mem.get(group)) for group in sorted({*old_mem, *new_mem})}
     return CaseReport(label, old, new, counts, header, memory, rows, files_only)
+
+
+def _entry(docs: dict[str, dict[str, Any]], tensor: str) -> dict[str, Any] | None:
+    """A tensor's layout entry: from the named document, else (an activation) the activations'."""
+    for name in (NAMED_FILE, ACTIVATIONS_FILE):
+        entry = docs.get(name, {}).get("tensors", {}).get(tensor)
+        if entry is not None:
+            return entry
+    return None
 
 
 def compare(old: str | Path, new: str | Path) -> list[CaseReport]:
