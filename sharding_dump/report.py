@@ -302,6 +302,7 @@ def _folded(report: CaseReport, fmt: str, max_rows: int, first: bool = False) ->
         return "\n".join(lines)
     label = lines[0].removeprefix("#### ")
     head = _counts_line(report) if report.status == "changed" else f"case {report.status}"
+    lines = [line for line in lines if line != f"- {head}"]  # said in the summary line already
     opening = "<details open>" if first else "<details>"
     return "\n".join([f"{opening}<summary><code>{label}</code>: {head}</summary>", "", *lines[1:], "", "</details>"])
 
