@@ -245,6 +245,8 @@ def _cmd_list(argv: Sequence[str]) -> int:
         from sharding_dump.settings import setting_specs, format_value
         for key, spec in setting_specs().items():
             print(f"{key:<42} default {format_value(spec.default):<8} {spec.help}")
+        print(f"{'ici_<axis>_parallelism, dcn_<axis>_parallelism':<42} default {'1':<8} "
+              f"size of any other mesh axis a rule file declares (-1: fill with what is left)")
     return 0
 
 
