@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from sharding_dump import rules, settings, topology
 from sharding_dump.errors import BadInput
@@ -77,15 +77,28 @@ class Case:
             "overrides": {key: value for key, value in self.overrides},
         }
 
-    def command(self, output_dir: str | None = None) -> str:
-        """The shell command that writes this case's golden."""
-        words = ["sharding-dump", "--model", self.model, "--topology", self.topology, "--rule", self.rule]
+    def command(self, golden_root: str | None = None) -> str:
+        """The shell command that writes this case's golden (under `golden_root` when given); file
+        paths relative to the working directory when inside it."""
+        words = ["sharding-dump", "--model", _shown(self.model), "--topology", self.topology,
+                 "--rule", _shown(self.rule)]
         if self.num_slices != 1:
             words += ["--num-slices", str(self.num_slices)]
         words += [f"{k}={settings.format_value(v)}" for k, v in self.overrides]
-        if output_dir is not None:
-            words += ["--output-dir", output_dir]
+        if golden_root is not None:
+            words += ["--golden-dir", _shown(str(golden_root))]
         return " ".join(words)
+
+
+def _shown(ref: str) -> str:
+    """An absolute path as a user would type it (relative to the working directory when inside it)."""
+    path = Path(ref)
+    if not path.is_absolute():
+        return ref
+    try:
+        return path.relative_to(Path.cwd()).as_posix() or "."
+    except ValueError:
+        return ref
 
 
 def golden_dir(case: Case, root: str | Path) -> Path:
@@ -93,15 +106,24 @@ def golden_dir(case: Case, root: str | Path) -> Path:
     return Path(root) / case.model_ref.folder_name / case.topology / f"slice_{case.num_slices}" / case.name
 
 
-def load_matrix(path: Path = CASES_FILE) -> list[Case]:
-    """Every case of the case matrix (`data/cases.yml`), validated, in file order; no duplicates."""
+def load_matrix(path: str | Path = CASES_FILE, resolve: Callable[[str, str], str] | None = None) -> list[Case]:
+    """Every case of a case file (default: the package's `data/cases.yml`), validated, in file order;
+    no duplicates. Relative rule and card paths in it resolve against the file's folder; `resolve`
+    (field, value) -> value then maps names (a project's rule and card folders, model factories)."""
+    path = Path(path)
     data = load_yaml(path, "case matrix")
     validate(data, "cases", f"case matrix {path}")
     cases: list[Case] = []
     seen: dict[str, int] = {}
     for index, entry in enumerate(data["cases"]):
+        refs = {}
+        for field in ("model", "rule"):
+            ref = entry[field]
+            if rules.is_rule_path(ref) and not Path(ref).is_absolute():
+                ref = str((path.parent / ref).resolve())
+            refs[field] = resolve(field, ref) if resolve is not None else ref
         try:
-            case = Case.make(entry["model"], entry["topology"], entry["rule"],
+            case = Case.make(refs["model"], entry["topology"], refs["rule"],
                              entry.get("num_slices", 1), entry.get("overrides"))
         except BadInput as err:
             raise BadInput(f"case matrix {path}: field cases/{index}: {err}") from None

@@ -1,12 +1,16 @@
 """The `sharding-dump` command.
 
-    sharding-dump --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...] [--output-dir DIR]
-    sharding-dump --all [--output-dir DIR]
+    sharding-dump --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...] [--golden-dir DIR]
+    sharding-dump --all [--cases FILE ...] [--golden-dir DIR]
     sharding-dump list models|topologies|rules|settings
-    sharding-dump diff OLD NEW [--format text|markdown|json]
-    sharding-dump check (CASE | --all) [--replicated-tolerance F]
+    sharding-dump diff OLD NEW [--format text|markdown|json] [--max-chars N]
+    sharding-dump check (CASE | --all [--cases FILE ...]) [--replicated-tolerance F]
     sharding-dump show CASE
     sharding-dump verify (CASE | --all) [--format text|markdown|json] [--tpu] [--record]
+    sharding-dump --version
+
+The golden folder, the case files and extra rule and card folders come from `[tool.sharding-dump]` in
+the nearest pyproject.toml (sharding_dump/project.py); --golden-dir and --cases override it.
 
 CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
@@ -19,14 +23,14 @@ import argparse
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 
 if TYPE_CHECKING:  # the commands import what they need when they run
     from sharding_dump.case import Case
-
-DEFAULT_OUTPUT_DIR = "golden"
+    from sharding_dump.project import Project
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +48,9 @@ def _add_case_options(parser: argparse.ArgumentParser, all_help: str | None) -> 
     parser.add_argument("--num-slices", type=int, default=1, help="number of slices (DCN), default 1")
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
+        parser.add_argument("--cases", action="append", metavar="FILE",
+                            help="case file for --all (repeatable; default: cases of [tool.sharding-dump] in "
+                                 "pyproject.toml, else the package's own matrix)")
 
 
 def _add_settings_argument(parser: argparse.ArgumentParser) -> None:
@@ -58,15 +65,25 @@ def _dump_parser() -> argparse.ArgumentParser:
                     "the matrix) as golden JSON. Other commands: `sharding-dump list models|topologies|rules|settings`, "
                     "`sharding-dump diff|check|show` (each with --help).")
     _add_case_options(parser, "dump every case of the case matrix")
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
-                        help=f"root of the golden tree (default: {DEFAULT_OUTPUT_DIR}/)")
+    parser.add_argument("--golden-dir", "--output-dir", dest="golden_dir", metavar="DIR",
+                        help="root of the golden tree (default: golden-dir of [tool.sharding-dump] in pyproject.toml, "
+                             "else golden/)")
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of sharding-dump, jax, jaxlib, flax and optax, and exit")
     _add_settings_argument(parser)
     return parser
 
 
-def _cases(args: argparse.Namespace, verb: str) -> list[Case]:
-    """The case the options name, or every case of the matrix under --all; all of them validated
-    (mesh, settings, model) so that every bad input surfaces before any work or output."""
+def _project(args: argparse.Namespace) -> Project:
+    """[tool.sharding-dump] of the nearest pyproject.toml, with --cases and --golden-dir applied."""
+    from sharding_dump.project import load_project
+
+    return load_project().with_overrides(getattr(args, "cases", None), getattr(args, "golden_dir", None))
+
+
+def _cases(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
+    """The case the options name, or every case of the project's case files under --all; all of them
+    validated (mesh, settings, model) so that every bad input surfaces before any work or output."""
     from sharding_dump import case as case_mod
     from sharding_dump import settings
     from sharding_dump.dump import setup_case
@@ -74,14 +91,17 @@ def _cases(args: argparse.Namespace, verb: str) -> list[Case]:
     if getattr(args, "all", False):
         if args.model or args.topology or args.rule or args.settings or args.num_slices != 1:
             raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/KEY=VALUE")
-        cases = case_mod.load_matrix()
+        cases = project.load_cases()
     else:
         missing = [flag for flag, value in (("--model", args.model), ("--topology", args.topology),
                                             ("--rule", args.rule)) if not value]
         if missing:
             raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
+        if getattr(args, "cases", None):
+            raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
         overrides = settings.parse_assignments(args.settings)
-        cases = [case_mod.Case.make(args.model, args.topology, args.rule, args.num_slices, overrides)]
+        cases = [case_mod.Case.make(project.resolve("model", args.model), args.topology,
+                                    project.resolve("rule", args.rule), args.num_slices, overrides)]
     for case in cases:
         setup_case(case)
     return cases
@@ -94,19 +114,38 @@ def _progress(index: int, count: int, line: str, started: float) -> None:
 
 
 def _cmd_dump(argv: Sequence[str]) -> int:
-    from sharding_dump.golden import check_or_update
+    import collections
+
+    from sharding_dump import golden, report
 
     args = _dump_parser().parse_args(argv)
-    cases = _cases(args, "dumps")
+    if args.version:
+        print(version())
+        return 0
+    project = _project(args)
+    cases = _cases(args, "dumps", project)
     total = time.perf_counter()
+    tally: collections.Counter[str] = collections.Counter()
     for index, case in enumerate(cases, 1):
         start = time.perf_counter()
-        outcome = check_or_update(case, args.output_dir, update=True)
+        outcome, kind = golden.update(case, project.golden_dir)
+        tally[kind] += 1
         what = f"wrote {', '.join(outcome.files)}" if outcome.files else "unchanged"
-        _progress(index, len(cases), f"{outcome.folder}/: {what}", start)
+        _progress(index, len(cases), f"{golden.display(outcome.folder)}/: {what}", start)
+        for warning in _use_warnings(case, outcome.folder):
+            print(f"sharding-dump: warning: {case.label}: {warning}", file=sys.stderr, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
+        print(report.golden_summary(tally))
     return 0
+
+
+def _use_warnings(case: Case, folder: Path) -> list[str]:
+    """The rule file's warnings for a dump just written (see rules.use_warnings)."""
+    from sharding_dump import lint, rules, serialize
+
+    docs = {path.name: serialize.read_document(path) for path in sorted(folder.glob("*.json"))}
+    return rules.use_warnings(rules.load_rule(case.rule), docs, lint.lint_settings().known_logical_axes)
 
 
 def _cmd_diff(argv: Sequence[str]) -> int:
@@ -121,9 +160,17 @@ def _cmd_diff(argv: Sequence[str]) -> int:
     parser.add_argument("new", metavar="NEW", help="case folder or golden tree after the change")
     parser.add_argument("--format", choices=report.FORMATS, default="text",
                         help="text (terminal), markdown (pull-request comment) or json; default text")
+    parser.add_argument("--max-chars", type=int, metavar="N",
+                        help=f"cut the text or markdown report to N characters, keeping the summary table "
+                             f"(markdown default: {report.GITHUB_COMMENT_CHARS:,}, what a GitHub comment takes)")
     args = parser.parse_args(argv)
+    if args.max_chars is not None and (args.format == "json" or args.max_chars < 1000):
+        raise BadInput(f"--max-chars {args.max_chars}: takes a number >= 1000, with --format text or markdown")
+    limit = args.max_chars
+    if limit is None and args.format == "markdown":
+        limit = report.GITHUB_COMMENT_CHARS
     reports = report.compare(args.old, args.new)
-    sys.stdout.write(report.render(reports, args.format))
+    sys.stdout.write(report.render(reports, args.format, limit))
     return 1 if any(r.status != "identical" for r in reports) else 0
 
 
@@ -142,7 +189,7 @@ def _cmd_check(argv: Sequence[str]) -> int:
     _add_settings_argument(parser)
     args = parser.parse_args(argv)
     tolerance = None if args.replicated_tolerance is None else lint.parse_tolerance(args.replicated_tolerance)
-    cases = _cases(args, "checks")
+    cases = _cases(args, "checks", _project(args))
     lint.lint_settings()  # a broken data/lint.yml is bad input before any output
     found = 0
     for index, case in enumerate(cases, 1):
@@ -170,7 +217,7 @@ def _cmd_show(argv: Sequence[str]) -> int:
                         help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
     _add_settings_argument(parser)
     args = parser.parse_args(argv)
-    (case,) = _cases(args, "shows")
+    (case,) = _cases(args, "shows", _project(args))
     sys.stdout.write(render_case_table(case, full_specs=args.full_specs))
     return 0
 
@@ -205,6 +252,8 @@ def _cmd_list(argv: Sequence[str]) -> int:
         from sharding_dump.settings import setting_specs, format_value
         for key, spec in setting_specs().items():
             print(f"{key:<42} default {format_value(spec.default):<8} {spec.help}")
+        print(f"{'ici_<axis>_parallelism, dcn_<axis>_parallelism':<42} default {'1':<8} "
+              f"size of any other mesh axis a rule file declares (-1: fill with what is left)")
     return 0
 
 
@@ -212,9 +261,6 @@ def _cmd_verify(argv: Sequence[str]) -> int:
     from sharding_dump import verify
 
     return verify.command(argv)
-
-
-COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show, "verify": _cmd_verify}
 
 
 _SHOW_WARNING = warnings.showwarning
@@ -226,6 +272,24 @@ def _warning_line(message: Warning | str, category: type[Warning], *args: object
         print(f"sharding-dump: warning: {message}", file=sys.stderr, flush=True)
     else:
         _SHOW_WARNING(message, category, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def version() -> str:
+    """`sharding-dump 0.1.0 (jax 0.10.2, jaxlib 0.10.2, flax 0.12.8, optax 0.2.8)`: the versions a
+    golden depends on, read from the installed distributions (nothing imported)."""
+    from importlib import metadata
+
+    def of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{name} {of(name)}" for name in ("jax", "jaxlib", "flax", "optax"))
+    return f"sharding-dump {of('sharding-dump')} ({deps})"
+
+
+COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show, "verify": _cmd_verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,6 +47,16 @@ def display(path: Path) -> str:
         return Path(path).as_posix()
 
 
+def update_command(case: Case, root: str | Path | None) -> str:
+    """The command that rewrites `case`'s golden under `root`: with --golden-dir unless `root` is
+    where `sharding-dump` run here writes anyway (the project's golden folder)."""
+    from sharding_dump.project import load_project
+
+    if root is None or Path(root).resolve() == load_project().golden_dir:
+        return case.command()
+    return case.command(str(Path(root).resolve()))
+
+
 def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str) -> Outcome:
     """Compares fresh bytes with the golden folder; on a difference, a per-tensor report.
     `command` is what a user runs to accept the change."""
@@ -121,5 +131,15 @@ def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
     from sharding_dump.dump import render_case
 
     outcome = check_or_update_folder(golden_dir(case, root), render_case(case), update, label=case.label,
-                                     command=f"{case.command()}\n{UPDATE_HINT}")
+                                     command=f"{update_command(case, root)}\n{UPDATE_HINT}")
     return dataclasses.replace(outcome, case=case)
+
+
+def update(case: Case, root: str | Path) -> tuple[Outcome, str]:
+    """check_or_update(update=True), and what it did to the golden: created, updated or unchanged
+    (for the summary line after an update)."""
+    from sharding_dump.case import golden_dir
+
+    existed = any((golden_dir(case, root) / name).is_file() for name in GOLDEN_FILE_NAMES)
+    outcome = check_or_update(case, root, update=True)
+    return outcome, "unchanged" if outcome.status == "match" else "updated" if existed else "created"

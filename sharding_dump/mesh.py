@@ -1,7 +1,8 @@
 """The device mesh of a case: ICI (within a slice) x DCN (across slices) parallelism per axis.
 
 Sizes come from the `ici_<axis>_parallelism` / `dcn_<axis>_parallelism` settings of the axes the
-rule file declares; one `-1` per kind fills what is left. The result is a
+rule file declares, whatever their names (MaxText's `stage` axis keeps its `ici_pipeline_parallelism`
+name); unset ones are 1, and one `-1` per kind fills what is left. The result is a
 `jax.sharding.AbstractMesh`: no devices, no backend, any size.
 
 On a TPU slice the ICI mesh must also fit the slice's physical torus, as MaxText's device mesh
@@ -31,7 +32,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from sharding_dump.errors import BadInput
 from sharding_dump.rules import RuleSet
-from sharding_dump.settings import parallelism_axes, parallelism_key
+from sharding_dump.settings import parallelism_axis, parallelism_key, value_of
 from sharding_dump.topology import Topology
 
 
@@ -63,7 +64,7 @@ class MeshPlan:
 
 def _fill(kind: str, axes: tuple[str, ...], values: Mapping[str, Any], target: int, what: str) -> tuple[int, ...]:
     keys = [parallelism_key(kind, a) for a in axes]
-    sizes = [int(values[k]) for k in keys]
+    sizes = [int(value_of(values, k)) for k in keys]
     fillers = [k for k, s in zip(keys, sizes) if s == -1]
     if len(fillers) > 1:
         raise BadInput(f"{' and '.join(f'{k}=-1' for k in fillers)}: at most one {kind} parallelism may be -1")
@@ -86,14 +87,12 @@ def plan_mesh(rule_set: RuleSet, topology: Topology, values: Mapping[str, Any],
     `explicit_keys` are the settings the case (or a mesh rule) set on purpose: setting one for an axis
     the rule file does not declare is an error rather than silently ignored."""
     axes = rule_set.mesh_axes
-    for ax in parallelism_axes():
-        if ax.axis in axes:
-            continue
-        for kind in ("ici", "dcn"):
-            key = parallelism_key(kind, ax.axis)
-            if key in explicit_keys and values[key] != 1:
-                raise BadInput(f"{key}={values[key]}: rule '{rule_set.name}' has no '{ax.axis}' mesh axis "
-                               f"(mesh_axes: {', '.join(axes)})")
+    own = {parallelism_key(kind, a) for kind in ("ici", "dcn") for a in axes}
+    for key in sorted(explicit_keys):
+        axis = parallelism_axis(key)
+        if axis is not None and key not in own and value_of(values, key) != 1:
+            raise BadInput(f"{key}={value_of(values, key)}: rule '{rule_set.name}' has no '{axis}' mesh axis "
+                           f"(mesh_axes: {', '.join(axes)})")
     ici = _fill("ici", axes, values, topology.devices_per_slice, f"devices per slice of {topology.name}")
     dcn = _fill("dcn", axes, values, topology.num_slices, "slices (--num-slices)")
     plan = MeshPlan(axes, ici, dcn)

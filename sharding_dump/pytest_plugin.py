@@ -1,19 +1,24 @@
-"""pytest plugin: golden checks for sharding cases.
+"""pytest plugin: golden checks for sharding cases, registered by the `pytest11` entry point.
 
-Adds `--update-goldens` and the `sharding_golden` fixture. A test hands it a Case; the fixture runs
-check-or-update against `<rootdir>/golden/` and fails with the per-tensor report (or, for a missing
-golden, the exact command that creates it). A missing golden is a failure, never a skip.
+With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.project`) naming
+case files, `pytest` collects one test per case of them from that pyproject.toml, with no test code:
+the dump must equal its golden, byte for byte; plus one test that fails naming every golden path no
+case produces. `--update-goldens` rewrites what differs, creates what is missing, deletes the stale
+paths, and prints how many goldens it updated, created, left unchanged and deleted (under
+pytest-xdist too). The ini options `sharding_dump_cases` and `sharding_dump_golden_dir` override the
+table.
 
-    @pytest.mark.parametrize("case", load_matrix(), ids=lambda c: c.label)
+The `sharding_golden` fixture does the same for hand-written tests::
+
+    @pytest.mark.parametrize("case", load_matrix("cases.yml"), ids=lambda c: c.label)
     def test_golden(case, sharding_golden):
         sharding_golden.check(case)
 
     def test_no_stale_goldens(sharding_golden):
-        sharding_golden.check_stale(load_matrix())
+        sharding_golden.check_stale(load_matrix("cases.yml"))
 
-`check_stale` fails with every golden path that none of the cases produces; under --update-goldens
-it deletes them instead. It is one test item, so under pytest-xdist exactly one worker scans (and
-deletes) and the report is the same as without xdist.
+A missing golden is a failure, never a skip. Importing this module imports no JAX and changes no
+environment variable: everything heavy is imported when a golden is checked.
 
 `--sharding-verify` (off by default) also compiles every checked case's training step on fake CPU
 devices (`sharding-dump verify`) and fails the case on any verify failure.
@@ -21,37 +26,151 @@ devices (`sharding-dump verify`) and fails the case on any verify failure.
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import pytest
 
-from sharding_dump import stale
-from sharding_dump.case import Case
-from sharding_dump.golden import Outcome, check_or_update
+if TYPE_CHECKING:
+    from sharding_dump.case import Case
+    from sharding_dump.golden import Outcome
+    from sharding_dump.project import Project
 
-GOLDEN_DIR_NAME = "golden"
+SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
+KINDS = ("updated", "created", "unchanged", "deleted")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("sharding-dump")
     group.addoption("--update-goldens", action="store_true", default=False,
-                    help="rewrite golden files that differ from the dump (same bytes as the CLI writes)")
+                    help="rewrite golden files that differ from the dump, create missing ones, delete stale "
+                         "ones (same bytes as the CLI writes)")
     group.addoption("--sharding-verify", action="store_true", default=False,
                     help="also compile each checked case's training step on fake CPU devices (sharding-dump "
                          "verify): fail on remats, large replicated values or compiled shardings unlike the golden")
+    parser.addini("sharding_dump_cases", type="paths",
+                  help="sharding-dump case files (overrides cases of [tool.sharding-dump])")
+    parser.addini("sharding_dump_golden_dir", type="string", default=None,
+                  help="root of the golden tree, relative to the ini file (overrides golden-dir of [tool.sharding-dump])")
+
+
+def project_of(config: pytest.Config) -> "Project":
+    """The project configuration for this run: [tool.sharding-dump] found from the invocation folder
+    upward, then the ini options. Bad configuration is a usage error (one line, no traceback)."""
+    cached = getattr(config, "_sharding_dump_project", None)
+    if cached is not None:
+        return cached
+    from sharding_dump.errors import BadInput
+    from sharding_dump.project import load_project
+
+    base = Path(config.inipath).parent if config.inipath else Path(config.rootpath)
+    try:
+        project = load_project(Path(config.invocation_params.dir))
+        project = project.with_overrides(config.getini("sharding_dump_cases") or None,
+                                         config.getini("sharding_dump_golden_dir") or None, base)
+    except BadInput as err:
+        raise pytest.UsageError(f"sharding-dump: error: {err}") from None
+    config._sharding_dump_project = project  # type: ignore[attr-defined]
+    return project
+
+
+def _anchor(config: pytest.Config) -> Path | None:
+    """The file the generated tests hang under: the pyproject.toml with [tool.sharding-dump] (or the
+    ini file naming the case files); None when no case file is configured."""
+    project = project_of(config)
+    if config.getini("sharding_dump_cases") and config.inipath:
+        return Path(config.inipath).resolve()
+    if project.source is None or not project.cases:
+        return None
+    return project.source
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if file_path.name in ("pyproject.toml", "pytest.ini", "tox.ini", "setup.cfg", ".pytest.ini") \
+            and file_path.resolve() == _anchor(parent.config):
+        return CaseMatrix.from_parent(parent, path=file_path)
+    return None
+
+
+class CaseMatrix(pytest.File):
+    """The configured case files as tests: one per case, then the stale-golden check."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        from sharding_dump.errors import BadInput
+
+        project = project_of(self.config)
+        try:
+            cases = project.load_cases()
+        except BadInput as err:
+            raise self.CollectError(f"sharding-dump: error: {err}") from None
+        for case in cases:
+            yield CaseItem.from_parent(self, name=case.label, case=case)
+        yield StaleItem.from_parent(self, name="no stale goldens", cases=cases)
+
+
+class CaseItem(pytest.Item):
+    """One case: its dump must equal its golden (or, under --update-goldens, becomes it)."""
+
+    def __init__(self, *, case: "Case", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.case = case
+
+    def runtest(self) -> None:
+        from sharding_dump.errors import BadInput
+
+        try:
+            checker_for(self.config, self).check(self.case)
+        except BadInput as err:  # a rule or card file of the case: one line, as the CLI says it
+            pytest.fail(f"sharding-dump: error: {err}", pytrace=False)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, pytest.fail.Exception):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Path, None, str]:
+        return self.path, None, f"sharding golden {self.name}"
+
+
+class StaleItem(pytest.Item):
+    """Golden paths no configured case produces: a failure naming them, deleted under --update-goldens."""
+
+    def __init__(self, *, cases: list["Case"], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cases = cases
+
+    def runtest(self) -> None:
+        checker_for(self.config, self).check_stale(self.cases)
+
+    repr_failure = CaseItem.repr_failure
+
+    def reportinfo(self) -> tuple[Path, None, str]:
+        return self.path, None, "stale goldens"
 
 
 class GoldenChecker:
-    """Checks (or, under --update-goldens, rewrites) one case's golden folder."""
+    """Checks (or, under --update-goldens, rewrites) one case's golden folder, and notes on the test
+    item what it did for the summary line."""
 
-    def __init__(self, root: Path, update: bool, verify: bool = False) -> None:
+    def __init__(self, root: Path, update: bool, item: pytest.Item | None = None, verify: bool = False) -> None:
         self.root = root
         self.update = update
+        self.item = item
         self.verify = verify
 
-    def check(self, case: Case) -> Outcome:
-        outcome = check_or_update(case, self.root, self.update)
+    def _note(self, kind: str, count: int = 1) -> None:
+        if self.item is not None and count:
+            self.item.user_properties.append((SUMMARY_KEY, (kind, count)))
+
+    def check(self, case: "Case") -> "Outcome":
+        from sharding_dump import golden
+
+        if self.update:
+            outcome, kind = golden.update(case, self.root)
+            self._note(kind)
+            return outcome
+        outcome = golden.check_or_update(case, self.root, update=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
@@ -62,19 +181,54 @@ class GoldenChecker:
                 pytest.fail(verify.render_case(result), pytrace=False)
         return outcome
 
-    def check_stale(self, cases: Iterable[Case]) -> list[Path]:
+    def check_stale(self, cases: Iterable["Case"]) -> list[Path]:
         """Fails naming every golden path no case of `cases` produces; under --update-goldens removes
         them and returns what it removed."""
+        from sharding_dump import stale
+
         paths = stale.stale_paths(self.root, cases)
         if paths and not self.update:
             pytest.fail(stale.report(paths), pytrace=False)
         stale.remove(paths)
+        self._note("deleted", len(paths))
         return paths
+
+
+def checker_for(config: pytest.Config, item: pytest.Item | None) -> GoldenChecker:
+    return GoldenChecker(project_of(config).golden_dir, config.getoption("--update-goldens"), item,
+                         config.getoption("--sharding-verify"))
 
 
 @pytest.fixture
 def sharding_golden(request: pytest.FixtureRequest) -> GoldenChecker:
-    """The golden checker for this session's root and mode."""
-    config = request.config
-    return GoldenChecker(Path(config.rootpath) / GOLDEN_DIR_NAME, config.getoption("--update-goldens"),
-                         config.getoption("--sharding-verify"))
+    """The golden checker for this project's golden folder and mode."""
+    return checker_for(request.config, request.node)
+
+
+# --- the summary line (tallied where reports arrive: the only process, or xdist's controller) -------
+
+class _Tally:
+    """Counts what --update-goldens did, from the reports: each item notes its outcome in its
+    user_properties, which pytest-xdist carries from the workers to the controller."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        for key, value in report.user_properties:
+            if key == SUMMARY_KEY:
+                kind, count = value
+                self.counts[kind] += count
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        if config.getoption("--update-goldens") and sum(self.counts.values()):
+            from sharding_dump.report import golden_summary
+
+            terminalreporter.write_line(golden_summary(self.counts))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    project_of(config)  # a bad [tool.sharding-dump] is a usage error before anything runs
+    config.pluginmanager.register(_Tally(), "sharding-dump-tally")

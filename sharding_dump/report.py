@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from sharding_dump import diff, serialize, tables
 from sharding_dump.core import specs
@@ -21,9 +21,11 @@ from sharding_dump.errors import BadInput
 from sharding_dump.golden import GOLDEN_FILE_NAMES, display
 
 NAMED_FILE = "named_shardings.json"
+ACTIVATIONS_FILE = "activation_shardings.json"
 LAYOUT_FIELDS = ("partition_spec", "per_device_shape", "per_device_bytes")  # shown as columns
 MAX_ROWS = 100  # per case in text and markdown; JSON has every row
 FORMATS = ("text", "markdown", "json")
+GITHUB_COMMENT_CHARS = 65_536  # the largest comment GitHub takes: markdown's default --max-chars
 
 
 @dataclasses.dataclass
@@ -115,7 +117,13 @@ def _read(folder: Path | None) -> dict[str, dict[str, Any]]:
 
 
 def tensor_bytes(entry: dict[str, Any] | None) -> int | None:
-    return None if entry is None else entry["per_device_bytes"]
+    """Bytes one device holds of a tensor; for an activation (no byte count recorded), from its
+    per-device shape and dtype."""
+    if entry is None:
+        return None
+    if "per_device_bytes" in entry:
+        return entry["per_device_bytes"]
+    return math.prod(entry["per_device_shape"]) * jnp.dtype(entry["dtype"]).itemsize
 
 
 def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
@@ -146,8 +154,7 @@ def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
     old_named, new_named = old_docs.get(NAMED_FILE), new_docs.get(NAMED_FILE)
     rows = []
     for tensor, (fields, slots) in diff.fold_slots(changes).items():
-        old_entry = (old_named or {}).get("tensors", {}).get(tensor)
-        new_entry = (new_named or {}).get("tensors", {}).get(tensor)
+        old_entry, new_entry = (_entry(docs, tensor) for docs in (old_docs, new_docs))
         other = {key: values for key, values in fields.items()
                  if key.split(": ", 1)[1] not in LAYOUT_FIELDS + ("(entry)",)}
         rows.append(Row(tensor, slots, (old_entry or {}).get("partition_spec"), (new_entry or {}).get("partition_spec"),
@@ -158,6 +165,15 @@ def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
     new_mem = (new_named or {}).get("per_device_bytes", {})
     memory = {group: (old_mem.get(group), new_mem.get(group)) for group in sorted({*old_mem, *new_mem})}
     return CaseReport(label, old, new, counts, header, memory, rows, files_only)
+
+
+def _entry(docs: dict[str, dict[str, Any]], tensor: str) -> dict[str, Any] | None:
+    """A tensor's layout entry: from the named document, else (an activation) the activations'."""
+    for name in (NAMED_FILE, ACTIVATIONS_FILE):
+        entry = docs.get(name, {}).get("tensors", {}).get(tensor)
+        if entry is not None:
+            return entry
+    return None
 
 
 def compare(old: str | Path, new: str | Path) -> list[CaseReport]:
@@ -192,7 +208,7 @@ def _row_cells(row: Row, fmt: str) -> list[str]:
             tables.format_bytes(row.old_bytes), tables.format_bytes(row.new_bytes), other]
 
 
-def _case_block(report: CaseReport, fmt: str) -> Iterator[str]:
+def _case_block(report: CaseReport, fmt: str, max_rows: int = MAX_ROWS) -> Iterator[str]:
     heading = f"#### {report.label}" if fmt == "markdown" else f"== {report.label}"
     yield heading
     bullet = "- " if fmt == "markdown" else ""  # markdown joins plain lines into one paragraph
@@ -209,7 +225,7 @@ def _case_block(report: CaseReport, fmt: str) -> Iterator[str]:
     for name, side in sorted(report.files_only.items()):
         yield f"{bullet or '  '}{name} only in {side.upper()}"
     if report.rows:
-        shown = report.rows[:MAX_ROWS]
+        shown = report.rows[:max_rows]
         headers = ["tensor", "old spec", "new spec", "old bytes/device", "new bytes/device", "also changed"]
         cells = [_row_cells(row, fmt) for row in shown]
         if not any(c[-1] for c in cells):
@@ -238,11 +254,66 @@ def _summary(reports: list[CaseReport], fmt: str) -> Iterator[str]:
                             cells, fmt, right=(2, 3, 4, 5, 6))
 
 
-def render_text(reports: list[CaseReport], fmt: str = "text") -> str:
-    """The report for a terminal (`text`) or a pull-request comment (`markdown`)."""
-    blocks = ["\n".join(_summary(reports, fmt))]
-    blocks += ["\n".join(_case_block(r, fmt)) for r in reports if r.status != "identical"]
-    return "\n\n".join(blocks) + "\n"
+def render_text(reports: list[CaseReport], fmt: str = "text", max_chars: int | None = None) -> str:
+    """The report for a terminal (`text`) or a pull-request comment (`markdown`). With `max_chars`,
+    the summary table is always kept and the case blocks (folded under `<details>` in markdown) are
+    cut to fit, ending with a line saying what was left out."""
+    summary = "\n".join(_summary(reports, fmt))
+    differ = [r for r in reports if r.status != "identical"]
+    blocks = [_folded(r, fmt, MAX_ROWS, first=i == 0) for i, r in enumerate(differ)]
+    text = "\n\n".join([summary, *blocks]) + "\n"
+    if max_chars is None or len(text) <= max_chars:
+        return text
+    kept, partial = [summary], False
+    for i, (r, block) in enumerate(zip(differ, blocks)):
+        closing = _cut_line(len(differ) - len(kept) + 1, len(text), partial=True)  # longest it can be
+        budget = max_chars - len("\n\n".join(kept)) - len(closing) - 5
+        rows = min(len(r.rows), MAX_ROWS)
+        while len(block) > budget and rows > 1:  # fewer table rows until the block fits
+            rows = max(1, min(rows - 1, rows * budget // len(block)))
+            block = _folded(r, fmt, rows, first=i == 0)
+        if len(block) > budget:
+            break
+        kept.append(block)
+        if rows < min(len(r.rows), MAX_ROWS):
+            partial = True
+            break
+    shown = len(kept) - 1
+    cut = len(text) - len("\n\n".join(kept))
+    kept.append(_cut_line(len(differ) - shown, cut, partial))
+    return "\n\n".join(kept) + "\n"
+
+
+def _cut_line(cases_left: int, chars: int, partial: bool = False) -> str:
+    """The closing line of a report cut to fit."""
+    what = f"{cases_left} more case{'' if cases_left == 1 else 's'} not shown" if cases_left else "rows cut"
+    if partial:
+        what = "the last case shown is cut" + (f"; {what}" if cases_left else "")
+    return (f"... {what} ({chars:,} characters left out to fit the size limit; "
+            f"`sharding-dump diff OLD NEW --format json` lists everything)")
+
+
+def _folded(report: CaseReport, fmt: str, max_rows: int, first: bool = False) -> str:
+    """One case's block; in markdown, folded under `<details>` (the first one open) with its counts
+    as the summary line."""
+    lines = list(_case_block(report, fmt, max_rows))
+    if fmt != "markdown":
+        return "\n".join(lines)
+    label = lines[0].removeprefix("#### ")
+    head = _counts_line(report) if report.status == "changed" else f"case {report.status}"
+    lines = [line for line in lines if line != f"- {head}"]  # said in the summary line already
+    opening = "<details open>" if first else "<details>"
+    return "\n".join([f"{opening}<summary><code>{label}</code>: {head}</summary>", "", *lines[1:], "", "</details>"])
+
+
+def golden_summary(counts: Mapping[str, int]) -> str:
+    """What an update did to the goldens, one line (`sharding-dump goldens: 1 updated, 2 created, ...`).
+
+    >>> golden_summary({"created": 2, "unchanged": 5})
+    'sharding-dump goldens: 0 updated, 2 created, 5 unchanged, 0 deleted'
+    """
+    return "sharding-dump goldens: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
+                                                  ("updated", "created", "unchanged", "deleted"))
 
 
 def render_json(reports: list[CaseReport]) -> str:
@@ -266,6 +337,6 @@ def render_json(reports: list[CaseReport]) -> str:
     return serialize.canonical_bytes(doc).decode("utf-8")
 
 
-def render(reports: list[CaseReport], fmt: str) -> str:
-    """The report in one of FORMATS."""
-    return render_json(reports) if fmt == "json" else render_text(reports, fmt)
+def render(reports: list[CaseReport], fmt: str, max_chars: int | None = None) -> str:
+    """The report in one of FORMATS (`max_chars`: see :func:`render_text`; JSON is never cut)."""
+    return render_json(reports) if fmt == "json" else render_text(reports, fmt, max_chars)

@@ -13,9 +13,10 @@ P('fsdp', None)
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import flax.linen as nn
 from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
@@ -93,12 +94,14 @@ def load_rule(ref: str) -> RuleSet:
     where = f"rule file {path}"
     data = load_yaml(path, "rule file")
     validate(data, "rule", where)
-    known = {ax.axis for ax in settings_mod.parallelism_axes()}
     mesh_axes = tuple(data["mesh_axes"])
-    for axis in mesh_axes:
-        if axis not in known:
-            raise BadInput(f"{where}: field mesh_axes: {axis!r} is not a mesh axis sharding-dump can size "
-                           f"(valid: {', '.join(sorted(known))})")
+    sized_by: dict[str, str] = {}
+    for axis in mesh_axes:  # any name; two names sized by one setting (stage and pipeline) would clash
+        key = settings_mod.parallelism_key("ici", axis)
+        if key in sized_by:
+            raise BadInput(f"{where}: field mesh_axes: {sized_by[key]!r} and {axis!r} are both sized by {key}: "
+                           f"rename one")
+        sized_by[key] = axis
     rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data["logical_axis_rules"])
     for index, (name, axes) in enumerate(rules):
         for axis in axes_of(axes):
@@ -193,3 +196,30 @@ def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) ->
 def to_mesh_axes(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """The physical PartitionSpec of one logical spec, by flax's resolver."""
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+
+
+def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = ()) -> list[str]:
+    """Why a dump that worked may still not be what was meant, from its golden documents: rules that
+    shard nothing on a mesh of more than one device, and logical names in the rule file that no
+    tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
+    A rule file written for other logical names dumps everything replicated without an error."""
+    named = docs["named_shardings.json"]
+    sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
+    tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
+    warnings = []
+    if math.prod(sizes.values()) > 1:
+        used = {axis for entry in tensors for dim in entry.get("partition_spec", ()) for axis in axes_of(_axes(dim))}
+        if not any(sizes.get(axis, 1) > 1 for axis in used):
+            mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
+            warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "
+                            f"each of the {math.prod(sizes.values())} devices ({mesh}); do its logical names match "
+                            f"the model's?")
+    carried = {name for entry in tensors for name in entry.get("logical_axes", ()) if name is not None}
+    carried |= set(known) | set(rule_set.input_data_sharding_logical_axes)
+    lines = dict(zip(range(len(rule_set.origins)), (line for _, line in rule_set.origins)))
+    unused = [f"{name} (line {lines[i]})" if i in lines else name
+              for i, (name, _) in enumerate(rule_set.logical_axis_rules) if name not in carried]
+    if unused:
+        warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
+                        f"carries: {', '.join(unused)}")
+    return warnings

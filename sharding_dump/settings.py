@@ -8,6 +8,14 @@ parsed to one canonical Python value, so `ici_fsdp_parallelism=-1` and `-1` in Y
 (('ici_fsdp_parallelism', -1), ('ici_expert_parallelism', 2))
 >>> format_value(True)
 'true'
+
+Any mesh axis a rule file declares is sized by `ici_<axis>_parallelism` / `dcn_<axis>_parallelism`
+(default 1); MaxText's axes keep their own setting names (`stage` is `ici_pipeline_parallelism`):
+
+>>> parallelism_key("ici", "stage"), parallelism_key("dcn", "replica")
+('ici_pipeline_parallelism', 'dcn_replica_parallelism')
+>>> parse_overrides({"ici_model_parallelism": 4, "ici_fsdp_parallelism": -1})
+(('ici_fsdp_parallelism', -1), ('ici_model_parallelism', 4))
 """
 
 from __future__ import annotations
@@ -15,12 +23,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Mapping
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, load_yaml
 
 Value = int | float | bool | str
+# The parallelism setting of a mesh axis of any name a rule file may declare.
+PARALLELISM_KEY = re.compile(r"(ici|dcn)_([A-Za-z_][A-Za-z0-9_]*)_parallelism")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +72,7 @@ def _registry() -> tuple[tuple[ParallelismAxis, ...], dict[str, SettingSpec]]:
 
 
 def parallelism_axes() -> tuple[ParallelismAxis, ...]:
-    """The mesh axes a parallelism setting can size, in MaxText's mesh order."""
+    """MaxText's mesh axes, in its mesh order, with the names their parallelism settings use."""
     return _registry()[0]
 
 
@@ -71,11 +82,35 @@ def setting_specs() -> dict[str, SettingSpec]:
 
 
 def parallelism_key(kind: str, axis: str) -> str:
-    """`ici_pipeline_parallelism` for ('ici', 'stage'), and so on."""
+    """`ici_pipeline_parallelism` for ('ici', 'stage') (MaxText's alias), `ici_<axis>_parallelism` for
+    any other axis."""
     for ax in parallelism_axes():
         if ax.axis == axis:
             return f"{kind}_{ax.setting}_parallelism"
-    raise KeyError(axis)
+    return f"{kind}_{axis}_parallelism"
+
+
+def parallelism_axis(key: str) -> str | None:
+    """The mesh axis a parallelism setting sizes (`stage` for ici_pipeline_parallelism), None when
+    `key` is not one."""
+    match = PARALLELISM_KEY.fullmatch(key)
+    if match is None:
+        return None
+    for ax in parallelism_axes():
+        if ax.setting == match.group(2):
+            return ax.axis
+    return match.group(2)
+
+
+def spec_for(key: str) -> SettingSpec | None:
+    """The spec of a known setting, or of the parallelism setting of a user's own mesh axis
+    (default 1); None for anything else."""
+    spec = setting_specs().get(key)
+    if spec is None and PARALLELISM_KEY.fullmatch(key):
+        kind = key.split("_", 1)[0]
+        spec = SettingSpec(key, "parallelism", 1,
+                           f"{kind.upper()} size of the '{parallelism_axis(key)}' mesh axis (-1: fill with what is left)")
+    return spec
 
 
 def _parse(spec: SettingSpec, raw: Any) -> Value:
@@ -119,12 +154,15 @@ def _parse(spec: SettingSpec, raw: Any) -> Value:
 
 
 def parse_overrides(raw: Mapping[str, Any]) -> tuple[tuple[str, Value], ...]:
-    """Validates and canonicalises overrides: known keys, typed values, canonical order."""
+    """Validates and canonicalises overrides: known keys (or the parallelism of any mesh axis), typed
+    values, canonical order (data/settings.yml's, then other axes' parallelism sorted by key)."""
     specs = setting_specs()
     for key in raw:
-        if key not in specs:
-            raise BadInput(f"unknown setting {key!r}: see `sharding-dump list settings` for valid keys")
-    return tuple((key, _parse(specs[key], raw[key])) for key in specs if key in raw)
+        if spec_for(key) is None:
+            raise BadInput(f"unknown setting {key!r}: see `sharding-dump list settings` for valid keys "
+                           f"(or ici_<axis>_parallelism / dcn_<axis>_parallelism for a mesh axis of the rule file)")
+    order = [key for key in specs if key in raw] + sorted(key for key in raw if key not in specs)
+    return tuple((key, _parse(spec_for(key), raw[key])) for key in order)
 
 
 def parse_assignments(items: list[str]) -> dict[str, str]:
@@ -148,9 +186,20 @@ def format_value(value: Value) -> str:
 
 
 def resolve(overrides: tuple[tuple[str, Value], ...], *layers: Mapping[str, Value]) -> dict[str, Value]:
-    """Every setting's effective value: defaults, then each layer in turn, then the overrides."""
+    """Every setting's effective value: defaults, then each layer in turn, then the overrides. The
+    parallelism of a user's own mesh axis is present only when set (read it with :func:`value_of`)."""
     values: dict[str, Value] = {k: s.default for k, s in setting_specs().items()}
     for layer in layers:
         values.update(layer)
     values.update(dict(overrides))
     return values
+
+
+def value_of(values: Mapping[str, Value], key: str) -> Value:
+    """A setting's effective value in `values` (from :func:`resolve`), its default when unset."""
+    if key in values:
+        return values[key]
+    spec = spec_for(key)
+    if spec is None:
+        raise KeyError(key)
+    return spec.default

@@ -1,7 +1,8 @@
 """tools/compare_maxtext.py against MaxText's published deepseek2-16b dumps, and proof that it bites.
 
-The reference lives in `../shared/reference` beside the repository (CI clones it there). Without it
-these tests fail with a message saying so: a comparison that silently did not run is no comparison.
+The reference dumps are test data of this repository (`tests/data/maxtext/`, with their source commit
+and licence). Without them these tests fail saying so: a comparison that silently did not run is no
+comparison.
 """
 
 import json
@@ -14,7 +15,7 @@ import pytest
 from helpers import REPO
 from sharding_dump.case import golden_dir, load_matrix
 
-REFERENCE = REPO.parent / "shared" / "reference" / "maxtext" / "goldens"
+REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
 TOOL = REPO / "tools" / "compare_maxtext.py"
 GOLDEN = REPO / "golden"
 
@@ -37,8 +38,8 @@ MOE_WEIGHT = "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi_0"
 
 def reference_root():
     if not (REFERENCE / "deepseek2-16b").is_dir():
-        pytest.fail(f"MaxText reference goldens not found at {REFERENCE}: the comparison needs the shared/ "
-                    f"folder cloned beside the repository (../shared/reference/maxtext/goldens)", pytrace=False)
+        pytest.fail(f"MaxText reference goldens not found at {REFERENCE} (tests/data/maxtext/goldens of "
+                    f"this repository)", pytrace=False)
     return REFERENCE
 
 

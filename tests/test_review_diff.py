@@ -138,3 +138,45 @@ def test_broken_golden_file_is_bad_input(tmp_path, capsys):
     (folder / "named_shardings.json").write_text('{"kind": "named"')
     assert main(["diff", str(folder), str(folder)]) == 2
     assert "named_shardings.json: not valid JSON" in capsys.readouterr().err
+
+
+def unshard_activation_batch(tree):
+    """What `activation_batch: []` in default.yml does to the activation goldens of every default-rule
+    case (the classic out-of-memory regression), written into the JSON directly: the batch dimension
+    of every activation named activation_batch loses its mesh axes."""
+    changed = 0
+    for path in sorted(tree.rglob("rule_default*/activation_shardings.json")):
+        doc = json.loads(path.read_text())
+        for entry in doc["tensors"].values():
+            if entry["logical_axes"][:1] == ["activation_batch"] and entry["partition_spec"][0] is not None:
+                entry["partition_spec"][0] = None
+                entry["per_device_shape"][0] = entry["shape"][0]
+                changed += 1
+        path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return changed
+
+
+def test_markdown_fits_a_github_comment_and_keeps_the_summary(tmp_path, capsys):
+    new = tmp_path / "new"
+    shutil.copytree(REPO / "golden", new)
+    assert unshard_activation_batch(new) > 100
+    assert main(["diff", str(REPO / "golden"), str(new), "--format", "markdown", "--max-chars", "1000000"]) == 1
+    full = capsys.readouterr().out
+    assert main(["diff", str(REPO / "golden"), str(new), "--format", "markdown"]) == 1
+    default = capsys.readouterr().out
+    assert len(default) <= 65_536 and (default == full) == (len(full) <= 65_536)  # GitHub's limit for a comment
+    assert main(["diff", str(REPO / "golden"), str(new), "--format", "markdown", "--max-chars", "20000"]) == 1
+    cut = capsys.readouterr().out
+    assert len(full) > 20_000 >= len(cut)
+    summary = full.split("\n\n<details")[0]
+    assert cut.startswith(summary) and summary.count("\n| `") == 15  # every differing case stays in the table
+    first = full.split("<details open><summary><code>")[1].split("</code>")[0]
+    assert f"<details open><summary><code>{first}</code>" in cut and cut.count("<details") < full.count("<details")
+    first_block = cut.split("</details>")[0]
+    rows = [line for line in first_block.splitlines() if line.startswith("| `forward/")]
+    assert rows and all('| `[["data","fsdp","fsdp_transpose","expert"],' in r and "| `[null," in r for r in rows)
+    last = cut.rstrip("\n").splitlines()[-1]
+    assert last.startswith("... ") and "more cases not shown" in last and "characters left out" in last
+    assert cut.count("<details") == cut.count("</details>")  # no fold left open
+    assert main(["diff", "golden", "golden", "--format", "json", "--max-chars", "5000"]) == 2
+    assert "--max-chars 5000: takes a number >= 1000, with --format text or markdown" in capsys.readouterr().err

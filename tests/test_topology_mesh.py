@@ -84,3 +84,42 @@ def test_multislice_without_dcn_axis():
     with pytest.raises(BadInput, match="2 slices"):
         plan("pure-fsdp", "v5p-16", num_slices=2)
     assert plan("pure-fsdp", "v5p-16", num_slices=2, dcn_fsdp_parallelism=-1).sizes == {"fsdp": 16}
+
+
+def own_rule(tmp_path, text="mesh_axes: [replica, model, seq]\nlogical_axis_rules:\n  - [embed, replica]\n"):
+    path = tmp_path / "own.yml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_any_mesh_axis_names_are_sized_by_their_settings(tmp_path):
+    """A repository's own axis names: ici_<axis>_parallelism / dcn_<axis>_parallelism, default 1."""
+    rule = own_rule(tmp_path)
+    p = plan(rule, "v5p-16", 2, ici_model_parallelism=2, ici_replica_parallelism=-1, dcn_seq_parallelism=-1)
+    assert (p.axis_names, p.ici, p.dcn) == (("replica", "model", "seq"), (4, 2, 1), (1, 1, 2))
+    with pytest.raises(BadInput, match="product 1 must equal the 8 devices per slice of v5p-16 "
+                                       r"\(set one ici_\*_parallelism to -1 to fill\)"):
+        plan(rule, "v5p-16")
+    with pytest.raises(BadInput, match="ici_replica_parallelism=-1 and ici_seq_parallelism=-1: at most one"):
+        plan(rule, "v5p-16", ici_replica_parallelism=-1, ici_seq_parallelism=-1)
+    with pytest.raises(BadInput, match="ici_fsdp_parallelism=2: rule 'own' has no 'fsdp' mesh axis"):
+        plan(rule, "v5p-16", ici_replica_parallelism=-1, ici_fsdp_parallelism=2)
+    with pytest.raises(BadInput, match="ici_tensr_parallelism=2: rule 'own' has no 'tensr' mesh axis"):
+        plan(rule, "v5p-16", ici_replica_parallelism=-1, ici_tensr_parallelism=2)
+
+
+def test_maxtext_axis_names_keep_their_setting_names(tmp_path):
+    p = plan("default", "v5p-16", ici_pipeline_parallelism=2)
+    assert p.sizes["stage"] == 2 and p.sizes["fsdp"] == 4
+    # the user's own `pipeline` axis is sized by the same key; beside `stage` it would be ambiguous
+    assert plan(own_rule(tmp_path, "mesh_axes: [pipeline, x]\nlogical_axis_rules: [[embed, x]]\n"),
+                "v5p-16", ici_pipeline_parallelism=2, ici_x_parallelism=-1).sizes == {"pipeline": 2, "x": 4}
+    with pytest.raises(BadInput, match="'stage' and 'pipeline' are both sized by ici_pipeline_parallelism"):
+        load_rule(own_rule(tmp_path, "mesh_axes: [stage, pipeline]\nlogical_axis_rules: [[embed, stage]]\n"))
+
+
+def test_overrides_of_own_axes_are_canonical():
+    assert parse_overrides({"ici_seq_parallelism": 2, "ici_model_parallelism": "4", "weight_dtype": "bfloat16"}) == (
+        ("weight_dtype", "bfloat16"), ("ici_model_parallelism", 4), ("ici_seq_parallelism", 2))
+    with pytest.raises(BadInput, match="ici_model_parallelism=0"):
+        parse_overrides({"ici_model_parallelism": 0})

@@ -5,6 +5,7 @@
     python tools/bench.py --cases 3  # the first three
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
+    python tools/bench.py --suite    # the README's test command (pytest -n 2): wall time, slowest tests
 
 Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case;
@@ -84,13 +85,34 @@ def bench_verify(cases) -> None:
         print(f"{case.label:<92} {wall:>7.1f} {float(cpu):>7.1f} {peak:>9.0f} {status:>7}", flush=True)
 
 
+def bench_suite(workers: int) -> None:
+    """Wall time of the whole test suite as the README runs it, and its slowest tests (pytest's
+    --durations); printed, not asserted."""
+    command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider", "--durations=15"]
+    print(f"{' '.join(['python', *command[1:]])}  ({os.cpu_count()} cores, python {sys.version.split()[0]})", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - start
+    lines = proc.stdout.splitlines()
+    durations = [i for i, line in enumerate(lines) if "slowest" in line and "durations" in line]
+    if durations:
+        print("\n".join(line for line in lines[durations[0]:] if line.strip() and not line.startswith("=" * 5)))
+    print(f"{lines[-1] if lines else ''}")
+    print(f"{'test suite (pytest -n ' + str(workers) + ')':<92} {wall:>7.2f} s wall, exit {proc.returncode}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=0, help="only the first N cases (0: all)")
     parser.add_argument("--repeat", type=int, default=3, help="warm repetitions per case")
     parser.add_argument("--model", action="append", default=[], help="only cases of this model (repeatable)")
     parser.add_argument("--verify", action="store_true", help="benchmark `sharding-dump verify` per case instead")
+    parser.add_argument("--suite", action="store_true", help="time the test suite (pytest -n WORKERS) instead")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for --suite (default 2)")
     args = parser.parse_args()
+    if args.suite:
+        bench_suite(args.workers)
+        return
     unknown = sorted(set(args.model) - {c.model for c in load_matrix()})
     if unknown:
         parser.error(f"no case of model {', '.join(unknown)} in the case matrix")
@@ -104,7 +126,7 @@ def main() -> None:
     print(f"{'case':<92} {'cold s':>7} {'cold MiB':>9} {'warm s':>7} {'warm +MiB':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
-            cold, cold_mib = run_child(case_args(case) + ["--output-dir", tmp])
+            cold, cold_mib = run_child(case_args(case) + ["--golden-dir", tmp])
             render_case(case)  # first in-process run: traces and caches
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             times = []
@@ -114,7 +136,7 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
             print(f"{case.label:<92} {cold:>7.2f} {cold_mib:>9.0f} {statistics.median(times):>7.3f} {grown:>9.1f}")
-        wall, mib = run_child(["--all", "--output-dir", tmp])
+        wall, mib = run_child(["--all", "--golden-dir", tmp])
     print(f"{'whole matrix (sharding-dump --all, one process)':<92} {wall:>7.2f} {mib:>9.0f}")
     first = case_args(cases[0])
     # check exits 1 when it has findings and diff when anything differs: both are results, not failures.

@@ -3,7 +3,7 @@
 
     python tools/compare_maxtext.py REFERENCE_CASE_DIR OUR_CASE_DIR
 
-e.g. `../shared/reference/maxtext/goldens/deepseek2-16b/tpu7x-16/slice_1/rule_default` against
+e.g. `tests/data/maxtext/goldens/deepseek2-16b/tpu7x-16/slice_1/rule_default` against
 `golden/deepseek2-16b/tpu7x-16/slice_1/rule_default`.
 
 The reference writes one entry per leaf keyed by a pytree path (`.params/['params']/['decoder']/...`,

@@ -2,7 +2,7 @@
 """Checks our activation goldens against a reference trainer's activation dumps (MaxText's format).
 
     python tools/compare_reference.py REFERENCE_input_shardings.json OUR_activation_shardings.json
-    python tools/compare_reference.py --reference-root /work/shared/reference/maxtext/goldens [--golden-root golden]
+    python tools/compare_reference.py --reference-root tests/data/maxtext/goldens [--golden-root golden]
 
 The second form pairs every `input_shardings.json` under the reference root with our
 `activation_shardings.json` in the folder of the same relative path (both trees name folders

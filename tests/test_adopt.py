@@ -1,0 +1,134 @@
+"""Adopting sharding-dump in another repository: a folder holding only a pyproject.toml with
+[tool.sharding-dump], a rule file with mesh axes of its own naming and a case file. Plain `pytest`
+(the plugin by its entry point, no conftest, no test file) runs one test per case; a missing golden
+fails with the command that writes it where the project keeps its goldens; --update-goldens creates
+them and says so; a one-line rule change fails exactly the cases that use the rule, naming tensors.
+
+pytest runs in this process (pytester), so the cases share one traced model.
+"""
+
+from __future__ import annotations
+
+import shlex
+import textwrap
+
+import pytest
+
+from sharding_dump import cli
+
+PYPROJECT = """\
+[project]
+name = "my-trainer"
+version = "0"
+
+[tool.sharding-dump]
+golden-dir = "sharding/goldens"
+cases = ["sharding/cases.yml"]
+rule-dirs = ["sharding/rules"]
+"""
+
+# Our own mesh names: replicas of the model (data parallel) x model shards (tensor parallel).
+TP_RULE = """\
+mesh_axes: [replica, model]
+data_sharding: [[replica]]
+mesh_rules:
+  - {match: ".*", settings: {ici_replica_parallelism: -1}}
+logical_axis_rules:
+  - [activation_batch, replica]
+  - [activation_embed_and_logits_batch, replica]
+  - [mlp, model]
+  - [heads, model]
+  - [kv_heads, model]
+  - [vocab, model]
+"""
+DP_RULE = """\
+mesh_axes: [replica]
+logical_axis_rules:
+  - [activation_batch, replica]
+  - [activation_embed_and_logits_batch, replica]
+  - [embed, replica]
+"""
+# `tp` is found in the project's rule folder; `rules/dp.yml` is relative to this case file.
+CASES = """\
+cases:
+  - {model: qwen3-0.6b, topology: cpu-8, rule: tp, overrides: {ici_model_parallelism: 2}}
+  - {model: qwen3-0.6b, topology: cpu-8, rule: rules/dp.yml, overrides: {ici_replica_parallelism: -1}}
+"""
+TP_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_tp_ici_model_parallelism=2"
+DP_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_dp_ici_replica_parallelism=-1"
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makefile(".toml", pyproject=PYPROJECT)
+    (pytester.path / "sharding/rules").mkdir(parents=True)
+    (pytester.path / "sharding/rules/tp.yml").write_text(TP_RULE)
+    (pytester.path / "sharding/rules/dp.yml").write_text(DP_RULE)
+    (pytester.path / "sharding/cases.yml").write_text(CASES)
+    return pytester
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    # -p names the plugin only for a checkout that is not installed: with the entry point it is a no-op.
+    return pytester.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider", *args)
+
+
+def test_pyproject_alone_is_a_test_suite(project: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    first = run(project)
+    first.assert_outcomes(failed=2, passed=1)  # two cases without goldens; nothing stale
+    out = first.stdout.str()
+    assert f"FAILED pyproject.toml::{TP_CASE}" in out and f"FAILED pyproject.toml::{DP_CASE}" in out
+    assert f"missing in sharding/goldens/{TP_CASE})" in out
+    command = next(line.strip() for line in first.stdout.lines
+                   if line.strip().startswith("sharding-dump --model") and "rule_tp" not in line and "tp.yml" in line)
+    assert command == "sharding-dump --model qwen3-0.6b --topology cpu-8 --rule sharding/rules/tp.yml ici_model_parallelism=2"
+
+    # The printed command, run in the project, writes the golden where the project keeps them.
+    assert cli.main(shlex.split(command)[1:]) == 0
+    assert "sharding/goldens/" + TP_CASE in capsys.readouterr().out
+    assert (project.path / "sharding/goldens" / TP_CASE / "named_shardings.json").is_file()
+
+    updated = run(project, "--update-goldens")
+    updated.assert_outcomes(passed=3)
+    updated.stdout.fnmatch_lines(["sharding-dump goldens: 0 updated, 1 created, 1 unchanged, 0 deleted"])
+    run(project).assert_outcomes(passed=3)
+
+    # One rule line changed: exactly the case using that rule file fails, naming the tensors.
+    rule = project.path / "sharding/rules/tp.yml"
+    rule.write_text(TP_RULE.replace("  - [mlp, model]\n", "  - [mlp, []]\n"))
+    broken = run(project)
+    broken.assert_outcomes(failed=1, passed=2)
+    out = broken.stdout.str()
+    assert f"FAILED pyproject.toml::{TP_CASE}" in out and DP_CASE not in out.split("short test summary")[1]
+    assert "params/decoder/layers/mlp/wi_0/kernel  (and opt_state/0/mu, opt_state/0/nu)" in out
+    assert 'partition_spec    golden [null,null,"model"]  now [null,null,null]' in out
+
+
+def test_ini_options_override_the_table(project: pytest.Pytester) -> None:
+    (project.path / "other.yml").write_text(CASES.split("\n  - ")[0] + "\n  - " + CASES.split("\n  - ")[2])
+    result = run(project, "--collect-only", "-q", "-o", "sharding_dump_cases=other.yml",
+                 "-o", "sharding_dump_golden_dir=elsewhere")
+    assert result.stdout.lines[:2] == [f"pyproject.toml::{DP_CASE}", "pyproject.toml::no stale goldens"]
+
+
+def test_bad_project_configuration_is_one_line(project: pytest.Pytester) -> None:
+    project.makefile(".toml", pyproject=PYPROJECT.replace('golden-dir = "sharding/goldens"', "golden-dir = 3"))
+    result = run(project)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "sharding-dump: error: " in result.stderr.str() and "golden-dir" in result.stderr.str()
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_case_file_errors_name_the_file(project: pytest.Pytester) -> None:
+    (project.path / "sharding/cases.yml").write_text(textwrap.dedent("""\
+        cases:
+          - {model: qwen3-0.6b, topology: cpu-8, rule: nowhere.yml}
+    """))
+    result = run(project)
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["sharding-dump: error: rule file */sharding/nowhere.yml: no such file"])
+    (project.path / "sharding/cases.yml").write_text("cases:\n  - {model: qwen3-0.6b, rule: tp}\n")
+    result = run(project)
+    result.stdout.fnmatch_lines(["*sharding-dump: error: case matrix *cases.yml: field cases/0: "
+                                 "'topology' is a required property*"])
+    assert result.ret == pytest.ExitCode.INTERRUPTED
