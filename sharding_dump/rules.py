@@ -208,7 +208,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
     warnings = []
     if math.prod(sizes.values()) > 1:
-        used = {axis for entry in tensors for dim in entry.get("partition_spec", ()) for axis in axes_of(_axes(dim))}
+        used = {axis for entry in tensors for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
         if not any(sizes.get(axis, 1) > 1 for axis in used):
             mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
             warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "
