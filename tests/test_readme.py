@@ -30,3 +30,20 @@ def test_readme_model_dumps_and_its_test_passes(tmp_path, monkeypatch, pytester=
     named = json.loads((folder / "named_shardings.json").read_text())["tensors"]
     assert named["params/block_0/up/kernel"]["partition_spec"] == ["fsdp", "tensor"]
     assert sum(1 for p in named if p.startswith("params/")) == 9
+
+
+def test_readme_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, pytester):
+    """The README's test, run by pytest in the user's folder, passes on the golden its command wrote
+    and fails once the rule file changes a line."""
+    for path in (pytester.path / "mylm.py", pytester.path / "rules.yml"):
+        path.write_text(block("python") if path.suffix == ".py" else block("yaml"))
+    pytester.makepyfile(test_sharding=block("python", 1))
+    monkeypatch.chdir(pytester.path)
+    assert cli.main(shlex.split(block("bash").strip())[1:]) == 0
+    pytester.syspathinsert()
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    rules = pytester.path / "rules.yml"
+    rules.write_text(rules.read_text().replace("[mlp, tensor]", "[mlp, null]"))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*params/block_0/up/kernel*"])
