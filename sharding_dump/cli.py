@@ -15,16 +15,21 @@ or `check` a finding, 2 on bad input (one line on stderr, nothing written).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, one_line
 
 if TYPE_CHECKING:  # the commands import what they need when they run
     from sharding_dump.case import Case
 
 DEFAULT_OUTPUT_DIR = "golden"
+# The command needs no accelerator and must give the same bytes whatever JAX's environment says: these
+# are set before jax is first imported (JAX_PLATFORMS=cuda on a machine without GPUs would crash it).
+JAX_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "0", "JAX_NUMPY_DTYPE_PROMOTION": "standard",
+                   "JAX_DISABLE_JIT": "0"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,12 +39,25 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(f"{message} (see {self.prog} --help)")
 
 
+def _whole_number(text: str) -> int:
+    """argparse type for counts: the bounds are checked where the count is used."""
+    from sharding_dump.errors import shown
+    from sharding_dump.resources import MAX_DIGITS
+
+    digits = text.strip().lstrip("+-")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number")
+    if len(digits) > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: more than {MAX_DIGITS} digits, beyond any bound")
+    return int(text)
+
+
 def _add_case_options(parser: argparse.ArgumentParser, all_help: str | None) -> None:
     """The options that name one case (and, when `all_help` is given, --all for the whole matrix)."""
     parser.add_argument("--model", help="model card name (sharding-dump list models)")
     parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
     parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
-    parser.add_argument("--num-slices", type=int, default=1, help="number of slices (DCN), default 1")
+    parser.add_argument("--num-slices", type=_whole_number, default=1, help="number of slices (DCN), default 1")
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
 
@@ -94,13 +112,17 @@ def _progress(index: int, count: int, line: str, started: float) -> None:
 def _cmd_dump(argv: Sequence[str]) -> int:
     from sharding_dump.golden import check_or_update
 
+    from sharding_dump.golden import check_root
+
     args = _dump_parser().parse_args(argv)
+    check_root(args.output_dir)  # before any work: a bad --output-dir is one line, nothing written
     cases = _cases(args, "dumps")
     total = time.perf_counter()
     for index, case in enumerate(cases, 1):
         start = time.perf_counter()
         outcome = check_or_update(case, args.output_dir, update=True)
-        what = f"wrote {', '.join(outcome.files)}" if outcome.files else "unchanged"
+        what = "; ".join([f"wrote {', '.join(outcome.files)}"] * bool(outcome.files) +
+                         [f"removed {', '.join(outcome.removed)}"] * bool(outcome.removed)) or "unchanged"
         _progress(index, len(cases), f"{outcome.folder}/: {what}", start)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
@@ -207,12 +229,14 @@ COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "jax" not in sys.modules:
+        os.environ.update(JAX_ENVIRONMENT)
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
         return _cmd_dump(argv)
     except BadInput as err:
-        print(f"sharding-dump: error: {err}", file=sys.stderr)
+        print(f"sharding-dump: error: {one_line(str(err))}", file=sys.stderr)
         return 2
 
 
