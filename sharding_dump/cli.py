@@ -26,10 +26,24 @@ if TYPE_CHECKING:  # the commands import what they need when they run
     from sharding_dump.case import Case
 
 DEFAULT_OUTPUT_DIR = "golden"
-# The command needs no accelerator and must give the same bytes whatever JAX's environment says: these
-# are set before jax is first imported (JAX_PLATFORMS=cuda on a machine without GPUs would crash it).
-JAX_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "0", "JAX_NUMPY_DTYPE_PROMOTION": "standard",
-                   "JAX_DISABLE_JIT": "0"}
+# The command needs no accelerator and must give the same bytes whatever JAX's environment says
+# (JAX_PLATFORMS=cuda on a machine without GPUs, JAX_NUMPY_DTYPE_PROMOTION=strict, ... would crash it):
+# these JAX options are forced before any backend starts, and XLA_FLAGS (flags for compiling, which
+# the command never does; an unknown one aborts the process) is dropped.
+JAX_OPTIONS = {"jax_platforms": "cpu", "jax_enable_x64": False, "jax_numpy_dtype_promotion": "standard",
+               "jax_disable_jit": False}
+DROPPED_ENVIRONMENT = ("XLA_FLAGS",)
+
+
+def _force_jax_options() -> None:
+    for name, value in JAX_OPTIONS.items():
+        os.environ[name.upper()] = str(value).lower() if isinstance(value, bool) else value
+    for name in DROPPED_ENVIRONMENT:
+        os.environ.pop(name, None)
+    import jax
+
+    for name, value in JAX_OPTIONS.items():
+        jax.config.update(name, value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -229,8 +243,7 @@ COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "jax" not in sys.modules:
-        os.environ.update(JAX_ENVIRONMENT)
+    _force_jax_options()
     try:
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])

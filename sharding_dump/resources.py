@@ -6,6 +6,7 @@ file); every JSON Schema through :func:`schema_validator`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -45,8 +46,10 @@ def read_regular_file(path: str | os.PathLike, what: str, max_bytes: int) -> byt
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise BadInput(f"{what} {os.fsdecode(path)}: {kind} (give a regular file)")
+            kind = (f"{os.strerror(errno.EISDIR)} (EISDIR)" if stat.S_ISDIR(info.st_mode) else
+                    "a FIFO" if stat.S_ISFIFO(info.st_mode) else
+                    "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a regular file")
+            raise BadInput(f"{what} {os.fsdecode(path)}: {kind}; give a regular file")
         if info.st_size > max_bytes:
             raise BadInput(f"{what} {os.fsdecode(path)}: {info.st_size} bytes, more than the limit of {max_bytes}")
         chunks, size = [], 0
@@ -222,8 +225,8 @@ def error_message(error: jsonschema.ValidationError) -> str:
         expected = error.validator_value
         expected = " or ".join(expected) if isinstance(expected, list) else expected
         return f"must be {'an' if str(expected)[0] in 'aeiou' else 'a'} {expected}, not {type(error.instance).__name__}"
-    if error.validator == "oneOf" and isinstance(error.schema, dict) and "description" in error.schema:
-        return f"{json.dumps(error.instance)[:60]} is not {error.schema['description']}"
+    if error.validator in ("oneOf", "enum") and isinstance(error.schema, dict) and "description" in error.schema:
+        return f"{json.dumps(error.instance)[:60]} is not {error.schema['description'].rstrip('.')}"
     message = error.message
     return message if len(message) <= 160 else message[:157] + "..."
 
