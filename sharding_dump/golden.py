@@ -118,10 +118,13 @@ def _extras(folder: Path) -> list[str]:
         raise os_error("golden folder", folder, err) from None
 
 
-def compare(case: Case, folder: Path, fresh: dict[str, bytes]) -> Outcome:
-    """Compares fresh bytes with the golden folder; on a difference, a per-tensor report."""
-    current = {name: _golden_bytes(folder / name) for name in fresh}
-    missing = [name for name, data in current.items() if data is None]
+def compare(case: Case, folder: Path, fresh: dict[str, bytes],
+            current: dict[str, bytes | None] | None = None) -> Outcome:
+    """Compares fresh bytes with the golden folder (`current`: its files, read already); on a
+    difference, a per-tensor report."""
+    if current is None:
+        current = {name: _golden_bytes(folder / name) for name in fresh}
+    missing = [name for name in fresh if current.get(name) is None]
     if missing:
         return Outcome(case, folder, "missing",
                        f"no golden for {case.label} ({', '.join(missing)} missing in {display(folder)}).\n"
@@ -163,11 +166,14 @@ def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
     A rewrite replaces the whole case folder in one step: golden files the case no longer produces,
     stray files and temps left by a killed run go with the old folder."""
     folder = case_folder(case, root)
+    current = {name: _golden_bytes(folder / name) for name in GOLDEN_FILE_NAMES}  # refused before any work
     fresh = render(case)
     if not update:
-        return compare(case, folder, fresh)
-    serialize.recover_leftovers(folder)
-    current = {name: _golden_bytes(folder / name) for name in fresh}
+        return compare(case, folder, fresh, current)
+    try:
+        serialize.recover_leftovers(folder)
+    except OSError as err:
+        raise os_error("golden folder", folder, err) from None
     extras = _extras(folder)
     written = sorted(name for name, data in fresh.items() if current[name] != data)
     if not written and not extras:

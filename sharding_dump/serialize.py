@@ -253,6 +253,7 @@ def write_case_folder(folder: Path, files: Mapping[str, bytes]) -> None:
     folder = Path(folder)
     parent = folder.parent
     step_path = parent
+    created = [p for p in (parent, *parent.parents) if not os.path.lexists(p)]
     try:
         parent.mkdir(parents=True, exist_ok=True)
         recover_leftovers(folder)
@@ -285,6 +286,11 @@ def write_case_folder(folder: Path, files: Mapping[str, bytes]) -> None:
         fault_point()
         _fsync_dir(parent)
     except OSError as err:
+        for path in created:  # the folders this call made, innermost first: nothing is left behind
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
         raise os_error("cannot write golden", err.filename or step_path, err) from None
 
 
