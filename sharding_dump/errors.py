@@ -18,7 +18,7 @@ from typing import Any
 
 SHOWN_CHARS = 80  # an echoed user value longer than this is cut
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_LONG_WORD = re.compile(r"\S{201,}")
+_LONG_WORD = re.compile(r"\S{121,}")
 
 
 class BadInput(Exception):
@@ -37,7 +37,7 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
 
 def one_line(message: str, word_limit: int = SHOWN_CHARS) -> str:
     """A message as exactly one printable line: control characters escaped, any word longer than
-    200 characters (a path, a value) cut to `word_limit` characters around '...'."""
+    120 characters (a path, a value) cut to `word_limit` characters around '...'."""
     message = _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), message)
     head, tail = word_limit * 3 // 4, word_limit // 4
     return _LONG_WORD.sub(lambda m: f"{m.group(0)[:head]}...{m.group(0)[-tail:]}", message)

@@ -25,6 +25,7 @@ import pytest
 
 from sharding_dump import stale
 from sharding_dump.case import Case
+from sharding_dump.errors import BadInput, one_line
 from sharding_dump.golden import Outcome, check_or_update
 
 GOLDEN_DIR_NAME = "golden"
@@ -44,7 +45,10 @@ class GoldenChecker:
         self.update = update
 
     def check(self, case: Case) -> Outcome:
-        outcome = check_or_update(case, self.root, self.update)
+        try:
+            outcome = check_or_update(case, self.root, self.update)
+        except BadInput as err:  # a damaged golden tree: one line, like the CLI
+            pytest.fail(f"{case.label}: {one_line(str(err))}", pytrace=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         return outcome
