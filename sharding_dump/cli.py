@@ -237,6 +237,38 @@ def _cmd_list(argv: Sequence[str]) -> int:
     return 0
 
 
+class _Stdout:
+    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def _fail(self, err: OSError | None) -> BadInput:
+        from sharding_dump.errors import os_error
+
+        self.stream = None
+        sys.stdout = open(os.devnull, "w")  # nothing more to write; no error again at exit
+        if err is None:
+            return BadInput("standard output: it is closed (Bad file descriptor)")
+        return os_error("standard output:", "cannot write", err)
+
+    def write(self, text: str) -> int:
+        if self.stream is None:
+            raise self._fail(None)
+        try:
+            return self.stream.write(text)
+        except OSError as err:
+            raise self._fail(err) from None
+
+    def flush(self) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.flush()
+        except OSError as err:
+            raise self._fail(err) from None
+
+
 COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show}
 
 
@@ -244,13 +276,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _force_jax_options()
+    stdout = sys.stdout
+    guard = sys.stdout = _Stdout(stdout)
     try:
-        if argv and argv[0] in COMMANDS:
-            return COMMANDS[argv[0]](argv[1:])
-        return _cmd_dump(argv)
+        status = COMMANDS[argv[0]](argv[1:]) if argv and argv[0] in COMMANDS else _cmd_dump(argv)
+        sys.stdout.flush()
+        return status
     except BadInput as err:
         print(f"sharding-dump: error: {one_line(str(err))}", file=sys.stderr)
         return 2
+    finally:
+        if guard.stream is not None:  # after a failed write, stdout stays /dev/null to the end
+            sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -117,8 +117,8 @@ def fault_point() -> None:
     """Test hook for the fault tests: with SHARDING_DUMP_FAULT_AT=N in the environment, the N-th call
     in this process kills it (SIGKILL, no clean-up), between any two steps of a golden write."""
     global _steps
-    at = os.environ.get(FAULT_ENV)
-    if not at:
+    at = os.environ.get(FAULT_ENV, "")
+    if not at.isdigit():
         return
     _steps += 1
     if _steps == int(at):

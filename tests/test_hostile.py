@@ -501,3 +501,16 @@ def test_environment_cannot_break_the_command(tmp_path, capsys):
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert tree(tmp_path / "env") == tree(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("stdout", ["/dev/full", "closed"])
+def test_standard_output_that_cannot_be_written_is_one_line(stdout):
+    """A full device or a closed descriptor as standard output: one line on stderr, exit 2."""
+    target = subprocess.DEVNULL if stdout == "closed" else open(stdout, "w")  # noqa: SIM115
+    command = [sys.executable, "-c", "import os, sys\nfrom sharding_dump import cli\n"
+               + ("os.close(1)\nsys.stdout = None\n" if stdout == "closed" else "")
+               + "sys.exit(cli.main(['list', 'rules']))"]
+    result = subprocess.run(command, stdout=target, stderr=subprocess.PIPE, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("sharding-dump: error: standard output: "), result.stderr
