@@ -153,6 +153,14 @@ def compare(case: Case, folder: Path, fresh: dict[str, bytes],
     return Outcome(case, folder, "differs", text)
 
 
+def _normal_mode(path: Path) -> bool:
+    """Whether a golden file has the mode a new file gets under the umask (an older version of this
+    tool left 0600 files behind)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return stat.S_IMODE(os.lstat(path).st_mode) == 0o666 & ~umask
+
+
 def render(case: Case) -> dict[str, bytes]:
     """The case's golden bytes, traced under JAX's standard dtype promotion whatever the environment
     sets (JAX_NUMPY_DTYPE_PROMOTION=strict would otherwise reject the model's mixed-precision ops)."""
@@ -175,7 +183,7 @@ def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
     except OSError as err:
         raise os_error("golden folder", folder, err) from None
     extras = _extras(folder)
-    written = sorted(name for name, data in fresh.items() if current[name] != data)
+    written = sorted(name for name, data in fresh.items() if current[name] != data or not _normal_mode(folder / name))
     if not written and not extras:
         return Outcome(case, folder, "match")
     check_root(root)

@@ -476,6 +476,14 @@ def test_goldens_get_the_umask_mode(tmp_path, capsys):
     folder = tmp_path / "out/qwen3-0.6b/cpu-1/slice_1/rule_default_per_device_batch_size=1_max_target_length=16"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o750
     assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o640}
+    (folder / "named_shardings.json").chmod(0o600)  # as written by an older version: rewritten
+    old = os.umask(0o027)
+    try:
+        assert cli.main(TINY + ["--output-dir", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    assert "wrote named_shardings.json" in capsys.readouterr().out
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o640}
 
 
 def test_stray_files_in_a_case_folder_are_removed_by_the_cli(tmp_path, capsys):
