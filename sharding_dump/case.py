@@ -16,6 +16,7 @@ can point outside the golden tree.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -25,6 +26,7 @@ from sharding_dump.model_ref import ModelRef, parse_model_ref
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 
 CASES_FILE = DATA_DIR / "cases.yml"
+MAX_NAME_CHARS = 200  # of a case folder name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +59,16 @@ class Case:
 
     @property
     def name(self) -> str:
-        """`rule_<rule>` plus `_<key>=<value>` per override, in canonical order."""
+        """`rule_<rule>` plus `_<key>=<value>` per override, in canonical order. A name longer than
+        MAX_NAME_CHARS (file systems allow 255 bytes, and a temp name beside it adds some) keeps a
+        readable prefix and ends in `~` plus 16 hex digits of the full name's SHA-256."""
         parts = [f"rule_{self.rule_name}"]
         parts += [f"{key}={settings.format_value(value)}" for key, value in self.overrides]
-        return "_".join(parts)
+        full = "_".join(parts)
+        if len(full.encode("utf-8")) <= MAX_NAME_CHARS:
+            return full
+        digest = hashlib.sha256(full.encode("utf-8")).hexdigest()[:16]
+        return f"{full[:MAX_NAME_CHARS - len(digest) - 1]}~{digest}"
 
     @property
     def label(self) -> str:

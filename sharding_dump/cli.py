@@ -20,17 +20,40 @@ or `check` a finding, 2 on bad input (one line on stderr, nothing written).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from sharding_dump.errors import BadInput, UnevenSplitWarning
+from sharding_dump.errors import BadInput, UnevenSplitWarning, one_line
 
 if TYPE_CHECKING:  # the commands import what they need when they run
     from sharding_dump.case import Case
     from sharding_dump.project import Project
+
+# The command needs no accelerator and must give the same bytes whatever JAX's environment says
+# (JAX_PLATFORMS=cuda on a machine without GPUs, JAX_NUMPY_DTYPE_PROMOTION=strict, ... would crash it):
+# these JAX options are forced before any backend starts, and XLA_FLAGS (flags for compiling, which
+# the command never does; an unknown one aborts the process) is dropped.
+JAX_OPTIONS = {"jax_platforms": "cpu", "jax_enable_x64": False, "jax_numpy_dtype_promotion": "standard",
+               "jax_disable_jit": False}
+DROPPED_ENVIRONMENT = ("XLA_FLAGS",)
+
+
+def _force_jax_options() -> None:
+    """Set in the environment, which jax reads when it is imported (a command that needs no jax, like
+    `diff`, never imports it); applied to jax's config too when it is imported already."""
+    for name, value in JAX_OPTIONS.items():
+        os.environ[name.upper()] = str(value).lower() if isinstance(value, bool) else value
+    for name in DROPPED_ENVIRONMENT:
+        os.environ.pop(name, None)
+    if "jax" in sys.modules:
+        import jax
+
+        for name, value in JAX_OPTIONS.items():
+            jax.config.update(name, value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,12 +63,25 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(f"{message} (see {self.prog} --help)")
 
 
+def _whole_number(text: str) -> int:
+    """argparse type for counts: the bounds are checked where the count is used."""
+    from sharding_dump.errors import shown
+    from sharding_dump.resources import MAX_DIGITS
+
+    digits = text.strip().lstrip("+-")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number")
+    if len(digits) > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: more than {MAX_DIGITS} digits, beyond any bound")
+    return int(text)
+
+
 def _add_case_options(parser: argparse.ArgumentParser, all_help: str | None) -> None:
     """The options that name one case (and, when `all_help` is given, --all for the whole matrix)."""
     parser.add_argument("--model", help="model card name (sharding-dump list models) or path to a card .yml")
     parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
     parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
-    parser.add_argument("--num-slices", type=int, default=1, help="number of slices (DCN), default 1")
+    parser.add_argument("--num-slices", type=_whole_number, default=1, help="number of slices (DCN), default 1")
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
         parser.add_argument("--cases", action="append", metavar="FILE",
@@ -76,9 +112,13 @@ def _dump_parser() -> argparse.ArgumentParser:
 
 def _project(args: argparse.Namespace) -> Project:
     """[tool.sharding-dump] of the nearest pyproject.toml, with --cases and --golden-dir applied."""
+    from sharding_dump.golden import check_root
     from sharding_dump.project import load_project
 
-    return load_project().with_overrides(getattr(args, "cases", None), getattr(args, "golden_dir", None))
+    golden_dir = getattr(args, "golden_dir", None)
+    if golden_dir is not None:
+        check_root(golden_dir)  # as given: an empty --golden-dir is refused, not read as "here"
+    return load_project().with_overrides(getattr(args, "cases", None), golden_dir)
 
 
 def _cases(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
@@ -118,11 +158,14 @@ def _cmd_dump(argv: Sequence[str]) -> int:
 
     from sharding_dump import golden, report
 
+    from sharding_dump.golden import check_root
+
     args = _dump_parser().parse_args(argv)
     if args.version:
         print(version())
         return 0
     project = _project(args)
+    check_root(project.golden_dir)  # before any work: a bad --golden-dir is one line, nothing written
     cases = _cases(args, "dumps", project)
     total = time.perf_counter()
     tally: collections.Counter[str] = collections.Counter()
@@ -130,10 +173,11 @@ def _cmd_dump(argv: Sequence[str]) -> int:
         start = time.perf_counter()
         outcome, kind = golden.update(case, project.golden_dir)
         tally[kind] += 1
-        what = f"wrote {', '.join(outcome.files)}" if outcome.files else "unchanged"
+        what = "; ".join([f"wrote {', '.join(outcome.files)}"] * bool(outcome.files) +
+                         [f"removed {', '.join(outcome.removed)}"] * bool(outcome.removed)) or "unchanged"
         _progress(index, len(cases), f"{golden.display(outcome.folder)}/: {what}", start)
         for warning in _use_warnings(case, outcome.folder):
-            print(f"sharding-dump: warning: {case.label}: {warning}", file=sys.stderr, flush=True)
+            print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
         print(report.golden_summary(tally))
@@ -289,21 +333,61 @@ def version() -> str:
     return f"sharding-dump {of('sharding-dump')} ({deps})"
 
 
+class _Stdout:
+    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def _fail(self, err: OSError | None) -> BadInput:
+        from sharding_dump.errors import os_error
+
+        self.stream = None
+        sys.stdout = open(os.devnull, "w")  # nothing more to write; no error again at exit
+        if err is None:
+            return BadInput("standard output: it is closed (Bad file descriptor)")
+        return os_error("standard output:", "cannot write", err)
+
+    def write(self, text: str) -> int:
+        if self.stream is None:
+            raise self._fail(None)
+        try:
+            return self.stream.write(text)
+        except OSError as err:
+            raise self._fail(err) from None
+
+    def flush(self) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.flush()
+        except OSError as err:
+            raise self._fail(err) from None
+
+
 COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show, "verify": _cmd_verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _force_jax_options()
     warnings.simplefilter("always", UnevenSplitWarning)
+    shown_before = warnings.showwarning
     warnings.showwarning = _warning_line
+    stdout = sys.stdout
+    guard = sys.stdout = _Stdout(stdout)
     try:
-        if argv and argv[0] in COMMANDS:
-            return COMMANDS[argv[0]](argv[1:])
-        return _cmd_dump(argv)
+        status = COMMANDS[argv[0]](argv[1:]) if argv and argv[0] in COMMANDS else _cmd_dump(argv)
+        sys.stdout.flush()
+        return status
     except BadInput as err:
-        print(f"sharding-dump: error: {err}", file=sys.stderr)
+        print(f"sharding-dump: error: {one_line(str(err))}", file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = shown_before
+        if guard.stream is not None:  # after a failed write, stdout stays /dev/null to the end
+            sys.stdout = stdout
 
 
 if __name__ == "__main__":

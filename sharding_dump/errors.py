@@ -1,9 +1,24 @@
-"""The one error type users see.
+"""The one error type users see, and the helpers that keep its message to one short line.
 
 Anything a user can get wrong (a name, a file, a value) raises :class:`BadInput` with a single line
 that names the file, field or value and says what would be valid. The CLI prints that line and exits
 with status 2; nothing is written once a BadInput has been raised.
+
+>>> shown("x" * 100, limit=10)
+"'xxxxxxxxx... (100 characters)"
+>>> one_line("a\\nb")
+'a\\\\nb'
 """
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+SHOWN_CHARS = 80  # an echoed user value longer than this is cut
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_LONG_WORD = re.compile(r"\S{121,}")
 
 
 class BadInput(Exception):
@@ -13,3 +28,35 @@ class BadInput(Exception):
 class UnevenSplitWarning(UserWarning):
     """A dumped case has leaves that do not split evenly over their mesh axes: XLA pads the last shard.
     The dump still succeeds (exit 0); the CLI prints it as one `sharding-dump: warning:` line."""
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)`, cut to `limit` characters plus its length when longer: a message never
+    echoes a 100,000-character name back in full."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, (str, bytes)) else ""
+    return f"{text[:limit]}...{size}"
+
+
+def one_line(message: str, word_limit: int = SHOWN_CHARS) -> str:
+    """A message as exactly one printable line: control characters escaped, any word longer than
+    120 characters (a path, a value) cut to `word_limit` characters around '...'."""
+    message = _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), message)
+    head, tail = word_limit * 3 // 4, word_limit // 4
+    return _LONG_WORD.sub(lambda m: f"{m.group(0)[:head]}...{m.group(0)[-tail:]}", message)
+
+
+def os_error(what: str, path: Any, err: OSError) -> BadInput:
+    """An OSError on `path` as BadInput: names the path and the system's own reason (strerror)."""
+    reason = err.strerror or type(err).__name__
+    if err.errno is not None and err.strerror:
+        reason = f"{reason} ({_errno_name(err.errno)})"
+    return BadInput(f"{what} {os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else path}: {reason}")
+
+
+def _errno_name(number: int) -> str:
+    import errno
+
+    return errno.errorcode.get(number, str(number))

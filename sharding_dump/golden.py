@@ -1,25 +1,29 @@
-"""Check-or-update: the one function through which every golden is compared or (re)written.
+"""Check-or-update: the one engine through which every golden is compared or (re)written.
 
-The pytest plugin calls it with update=False (or True under --update-goldens); the CLI calls it with
-update=True. Either way the bytes on disk are exactly :func:`sharding_dump.dump.render_case`.
+:func:`check_or_update_folder` takes any documents (the user's own, from :func:`sharding_dump.dump_model`);
+:func:`check_or_update` is the zoo's case-by-case client. The pytest plugin calls them with
+update=False (or True under --update-goldens); the CLI with update=True. A golden folder is
+rewritten as a whole (:func:`sharding_dump.serialize.write_case_folder`), never through a symbolic
+link inside the golden tree. This module imports no jax until a case is rendered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import stat
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Any, Mapping
 
 from sharding_dump import diff, serialize
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, os_error
 
 if TYPE_CHECKING:
     from sharding_dump.case import Case
 
-# The file names of every golden document kind (sharding_dump.core.documents builds them).
-GOLDEN_FILE_NAMES = ("named_shardings.json", "logical_shardings.json", "activation_shardings.json")
+GOLDEN_FILE_NAMES = tuple(serialize.FILE_KINDS)
 UPDATE_HINT = "(or pytest --update-goldens)"
 
 
@@ -31,7 +35,8 @@ class Outcome:
     folder: Path
     status: str  # match | differs | missing | written
     report: str = ""
-    files: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()  # golden files written
+    removed: tuple[str, ...] = ()  # stray names removed from the case folder
     case: Any = None  # the zoo Case, when the folder belongs to one
 
     @property
@@ -57,19 +62,93 @@ def update_command(case: Case, root: str | Path | None) -> str:
     return case.command(str(Path(root).resolve()))
 
 
-def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str) -> Outcome:
-    """Compares fresh bytes with the golden folder; on a difference, a per-tensor report.
-    `command` is what a user runs to accept the change."""
-    missing = [name for name in fresh if not (folder / name).is_file()]
+def check_root(root: str | Path) -> Path:
+    """The golden tree's root, refused (BadInput naming it and why) when it cannot hold a golden:
+    empty, a regular file, below a regular file, or on a read-only or unwritable file system.
+    Nothing is created."""
+    if str(root) == "" or "\0" in str(root):
+        raise BadInput(f"golden root {str(root)!r}: give the path of a folder (e.g. golden)")
+    root = Path(root)
+    probe = root
+    while True:
+        try:
+            info = os.stat(probe)
+        except FileNotFoundError:
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+            continue
+        except OSError as err:
+            raise os_error("golden root", probe, err) from None
+        code = None
+        if not stat.S_ISDIR(info.st_mode):
+            code = errno.ENOTDIR
+        elif not os.access(probe, os.W_OK | os.X_OK):
+            code = errno.EROFS if os.statvfs(probe).f_flag & os.ST_RDONLY else errno.EACCES
+        if code is not None:
+            where = "" if probe == root else f" ({probe})"
+            raise BadInput(f"golden root {root}{where}: {os.strerror(code)} ({errno.errorcode[code]})")
+        break
+    return root
+
+
+def case_folder(case: Case, root: str | Path) -> Path:
+    """golden_dir, refusing a symbolic link or a regular file on the way from `root` (excluded) to
+    the case folder (included): a golden is never read or written through a link out of the tree."""
+    from sharding_dump.case import golden_dir
+
+    root = Path(root)
+    folder = golden_dir(case, root)
+    path = root
+    for part in folder.relative_to(root).parts:
+        path = path / part
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            break
+        except OSError as err:
+            raise os_error("golden folder", path, err) from None
+        if stat.S_ISLNK(info.st_mode):
+            raise BadInput(f"golden folder {path}: a symbolic link inside the golden tree; refusing to "
+                           "write through it (replace it with a real folder)")
+        if not stat.S_ISDIR(info.st_mode):
+            raise BadInput(f"golden folder {path}: {os.strerror(errno.ENOTDIR)} (ENOTDIR)")
+    return folder
+
+
+def _golden_bytes(path: Path) -> bytes | None:
+    """A golden file's bytes, None when absent; anything but a readable regular file is BadInput."""
+    if not os.path.lexists(path):
+        return None
+    return serialize.read_regular(path)
+
+
+def _extras(folder: Path) -> list[str]:
+    """Names in a case folder that no case writes there (hand-made files, leftover temps)."""
+    try:
+        return sorted(name for name in os.listdir(folder) if name not in GOLDEN_FILE_NAMES)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise os_error("golden folder", folder, err) from None
+
+
+def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
+            current: Mapping[str, bytes | None] | None = None) -> Outcome:
+    """Compares fresh bytes with the golden folder (`current`: its files, read already); on a
+    difference, a per-tensor report. `command` is what a user runs to accept the change."""
+    if current is None:
+        current = {name: _golden_bytes(folder / name) for name in fresh}
+    missing = [name for name in fresh if current.get(name) is None]
     if missing:
         return Outcome(label, folder, "missing",
                        f"no golden for {label} ({', '.join(missing)} missing in {display(folder)}).\n"
                        f"Create it with:\n    {command}")
-    stale = [p.name for p in sorted(folder.iterdir()) if p.name in GOLDEN_FILE_NAMES and p.name not in fresh]
+    stale = [name for name in GOLDEN_FILE_NAMES if name not in fresh and os.path.lexists(folder / name)]
     reports = []
     for name, data in fresh.items():
         path = folder / name
-        if path.read_bytes() == data:
+        if current[name] == data:
             continue
         try:
             old = serialize.read_document(path)
@@ -80,6 +159,7 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str) 
         reports.append(diff.format_diff(name, changes) if changes else
                        f"{name}: same content, different bytes (not canonical JSON; rewrite it)")
     reports += [f"{name}: golden file that this case no longer produces" for name in stale]
+    reports += [f"{name}: not a golden file (remove it, or run pytest --update-goldens)" for name in _extras(folder)]
     if not reports:
         return Outcome(label, folder, "match")
     text = (f"{label}: the dump differs from the golden in {display(folder)}\n" + "\n".join(reports) +
@@ -87,11 +167,37 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str) 
     return Outcome(label, folder, "differs", text)
 
 
+def _normal_mode(path: Path) -> bool:
+    """Whether a golden file has the mode a new file gets under the umask (an older version of this
+    tool left 0600 files behind)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return stat.S_IMODE(os.lstat(path).st_mode) == 0o666 & ~umask
+
+
+def render(case: Case) -> dict[str, bytes]:
+    """The case's golden bytes, traced under JAX's standard dtype promotion whatever the environment
+    sets (JAX_NUMPY_DTYPE_PROMOTION=strict would otherwise reject the model's mixed-precision ops)."""
+    import jax
+
+    from sharding_dump.dump import render_case
+
+    with jax.numpy_dtype_promotion("standard"):
+        return render_case(case)
+
+
+def read_folder(folder: Path) -> dict[str, bytes | None]:
+    """The golden files of a folder (None where absent); anything but readable regular files is
+    BadInput, before any work is done."""
+    return {name: _golden_bytes(folder / name) for name in GOLDEN_FILE_NAMES}
+
+
 def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], update: bool, label: str | None = None,
-                           command: str = UPDATE_HINT) -> Outcome:
+                           command: str = UPDATE_HINT, current: Mapping[str, bytes | None] | None = None) -> Outcome:
     """The one check-or-update engine: compares `documents` ({file name: JSON document, or its
-    canonical bytes}) with the golden `folder`, or (update=True) rewrites the files that differ and
-    removes golden files no longer produced.
+    canonical bytes}) with the golden `folder`, or (update=True) replaces the folder as a whole when
+    anything differs (golden files no longer produced, stray files and temps of a killed run go
+    with the old folder). `current` is the folder as :func:`read_folder` read it, if already read.
 
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp()) / "tiny"
@@ -106,40 +212,40 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     """
     folder = Path(folder)
     label = label or display(folder)
-    fresh = {name: data if isinstance(data, bytes) else None for name, data in documents.items()}
-    to_render = {name: doc for name, doc in documents.items() if fresh[name] is None}
-    fresh.update(serialize.render(to_render))
+    if current is None:
+        current = read_folder(folder)
+    fresh = {name: data for name, data in documents.items() if isinstance(data, bytes)}
+    fresh.update(serialize.render({name: doc for name, doc in documents.items() if not isinstance(doc, bytes)}))
     fresh = dict(sorted(fresh.items()))
     if not update:
-        return compare(folder, fresh, label, command)
-    written = []
-    for name, data in fresh.items():
-        path = folder / name
-        if not path.is_file() or path.read_bytes() != data:
-            serialize.write_atomic(path, data)
-            written.append(name)
-    for name in GOLDEN_FILE_NAMES:
-        if name not in fresh and (folder / name).is_file():
-            (folder / name).unlink()
-            written.append(name)
-    return Outcome(label, folder, "written" if written else "match", files=tuple(written))
+        return compare(folder, fresh, label, command, current)
+    try:
+        serialize.recover_leftovers(folder)
+    except OSError as err:
+        raise os_error("golden folder", folder, err) from None
+    extras = _extras(folder)
+    stale = [name for name in GOLDEN_FILE_NAMES if name not in fresh and current.get(name) is not None]
+    written = sorted(name for name, data in fresh.items()
+                     if current.get(name) != data or not _normal_mode(folder / name))
+    if not written and not extras and not stale:
+        return Outcome(label, folder, "match")
+    check_root(folder)
+    serialize.write_case_folder(folder, fresh)
+    return Outcome(label, folder, "written", files=tuple(written + stale), removed=tuple(extras))
 
 
 def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
-    """Compares a zoo `case` with its golden under `root`, or (update=True) rewrites it."""
-    from sharding_dump.case import golden_dir
-    from sharding_dump.dump import render_case
-
-    outcome = check_or_update_folder(golden_dir(case, root), render_case(case), update, label=case.label,
-                                     command=f"{update_command(case, root)}\n{UPDATE_HINT}")
+    """Compares a zoo `case` with its golden under `root`, or (update=True) rewrites its folder."""
+    folder = case_folder(case, root)
+    current = read_folder(folder)  # a bad golden file is refused before any work
+    outcome = check_or_update_folder(folder, render(case), update, label=case.label,
+                                     command=f"{update_command(case, root)}\n{UPDATE_HINT}", current=current)
     return dataclasses.replace(outcome, case=case)
 
 
 def update(case: Case, root: str | Path) -> tuple[Outcome, str]:
     """check_or_update(update=True), and what it did to the golden: created, updated or unchanged
     (for the summary line after an update)."""
-    from sharding_dump.case import golden_dir
-
-    existed = any((golden_dir(case, root) / name).is_file() for name in GOLDEN_FILE_NAMES)
+    existed = any(data is not None for data in read_folder(case_folder(case, root)).values())
     outcome = check_or_update(case, root, update=True)
     return outcome, "unchanged" if outcome.status == "match" else "updated" if existed else "created"

@@ -165,12 +165,16 @@ class GoldenChecker:
 
     def check(self, case: "Case") -> "Outcome":
         from sharding_dump import golden
+        from sharding_dump.errors import BadInput, one_line
 
-        if self.update:
-            outcome, kind = golden.update(case, self.root)
-            self._note(kind)
-            return outcome
-        outcome = golden.check_or_update(case, self.root, update=False)
+        try:
+            if self.update:
+                outcome, kind = golden.update(case, self.root)
+                self._note(kind)
+                return outcome
+            outcome = golden.check_or_update(case, self.root, update=False)
+        except BadInput as err:  # a damaged golden tree: one line, like the CLI
+            pytest.fail(f"{case.label}: {one_line(str(err))}", pytrace=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too

@@ -26,8 +26,10 @@ import math
 import re
 from typing import Any, Mapping
 
-from sharding_dump.errors import BadInput
-from sharding_dump.resources import DATA_DIR, load_yaml
+from sharding_dump.errors import BadInput, shown
+from sharding_dump.resources import DATA_DIR, MAX_DIGITS, load_yaml, validate
+
+SETTINGS_FILE = DATA_DIR / "settings.yml"
 
 Value = int | float | bool | str
 # The parallelism setting of a mesh axis of any name a rule file may declare.
@@ -44,6 +46,17 @@ class SettingSpec:
     help: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None
+    maximum: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on numbers users give (data/settings.yml `limits`)."""
+
+    max_devices: int
+    max_parallelism: int
+    int_range: tuple[int, int]
+    float_range: tuple[float, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +66,14 @@ class ParallelismAxis:
 
 
 @functools.cache
-def _registry() -> tuple[tuple[ParallelismAxis, ...], dict[str, SettingSpec]]:
-    data = load_yaml(DATA_DIR / "settings.yml", "settings file")
+def _registry() -> tuple[tuple[ParallelismAxis, ...], dict[str, SettingSpec], Limits]:
+    """settings.yml, schema-checked, with every default checked against its own setting's bounds."""
+    where = f"settings file {SETTINGS_FILE}"
+    data = load_yaml(SETTINGS_FILE, "settings file")
+    validate(data, "settings", where)
+    raw_limits = data["limits"]
+    limits = Limits(raw_limits["max_devices"], raw_limits["max_parallelism"],
+                    tuple(raw_limits["int_range"]), tuple(raw_limits["float_range"]))
     axes = tuple(ParallelismAxis(a["axis"], a["setting"]) for a in data["parallelism_axes"])
     specs: dict[str, SettingSpec] = {}
     for kind in ("dcn", "ici"):
@@ -63,12 +82,24 @@ def _registry() -> tuple[tuple[ParallelismAxis, ...], dict[str, SettingSpec]]:
             key = f"{kind}_{ax.setting}_parallelism"
             specs[key] = SettingSpec(
                 key, "parallelism", defaults.get(ax.setting, 1),
-                f"{kind.upper()} size of the '{ax.axis}' mesh axis (-1: fill with what is left)")
+                f"{kind.upper()} size of the '{ax.axis}' mesh axis (-1: fill with what is left)",
+                minimum=-1, maximum=limits.max_parallelism)
     for key, raw in data["settings"].items():
+        low, high = {"int": limits.int_range, "float": limits.float_range}.get(raw["type"], (None, None))
         specs[key] = SettingSpec(
             key, raw["type"], raw["default"], raw["help"],
-            tuple(raw.get("choices", ())), raw.get("minimum"))
-    return axes, specs
+            tuple(raw.get("choices", ())), raw.get("minimum", low), raw.get("maximum", high))
+    for key, spec in specs.items():
+        try:
+            _parse(spec, spec.default)
+        except BadInput as err:
+            raise BadInput(f"{where}: field {key}/default: {err}") from None
+    return axes, specs, limits
+
+
+def limits() -> Limits:
+    """The bounds on device counts and parallelism sizes."""
+    return _registry()[2]
 
 
 def parallelism_axes() -> tuple[ParallelismAxis, ...]:
@@ -109,36 +140,43 @@ def spec_for(key: str) -> SettingSpec | None:
     if spec is None and PARALLELISM_KEY.fullmatch(key):
         kind = key.split("_", 1)[0]
         spec = SettingSpec(key, "parallelism", 1,
-                           f"{kind.upper()} size of the '{parallelism_axis(key)}' mesh axis (-1: fill with what is left)")
+                           f"{kind.upper()} size of the '{parallelism_axis(key)}' mesh axis (-1: fill with what is left)",
+                           minimum=-1, maximum=limits().max_parallelism)
     return spec
 
 
+def _bounds(spec: SettingSpec) -> str:
+    return f"[{format_value(spec.minimum)}, {format_value(spec.maximum)}]"
+
+
 def _parse(spec: SettingSpec, raw: Any) -> Value:
-    text = raw if isinstance(raw, str) else None
-    bad = f"{spec.key}={raw!r}"
+    text = raw.strip() if isinstance(raw, str) else None
+    bad = f"{spec.key}={shown(raw)}"
     if spec.type in ("int", "parallelism"):
-        if isinstance(raw, bool):
-            raise BadInput(f"{bad}: must be a whole number")
+        what = ("a parallelism is -1 (fill) or a whole number in [1, "
+                f"{format_value(spec.maximum)}]") if spec.type == "parallelism" else f"must be a whole number in {_bounds(spec)}"
+        if isinstance(raw, bool) or (text is not None and len(text) > MAX_DIGITS):
+            raise BadInput(f"{bad}: {what}")
         try:
-            value = int(text.strip()) if text is not None else raw
+            value = int(text) if text is not None else raw
         except ValueError:
-            raise BadInput(f"{bad}: must be a whole number") from None
-        if not isinstance(value, int):
-            raise BadInput(f"{bad}: must be a whole number")
-        if spec.type == "parallelism" and value != -1 and value < 1:
-            raise BadInput(f"{bad}: a parallelism is -1 (fill) or a whole number >= 1")
-        if spec.minimum is not None and value < spec.minimum:
-            raise BadInput(f"{bad}: must be >= {spec.minimum:g}")
+            raise BadInput(f"{bad}: {what}") from None
+        if not isinstance(value, int) or (spec.type == "parallelism" and value != -1 and value < 1):
+            raise BadInput(f"{bad}: {what}")
+        if (spec.minimum is not None and value < spec.minimum) or (spec.maximum is not None and value > spec.maximum):
+            raise BadInput(f"{bad}: {what}")
         return value
     if spec.type == "float":
-        if isinstance(raw, bool):
-            raise BadInput(f"{bad}: must be a number")
+        what = f"must be a number in {_bounds(spec)}"
+        if isinstance(raw, bool) or (text is not None and len(text) > MAX_DIGITS + 10):
+            raise BadInput(f"{bad}: {what}")
         try:
             value = float(text) if text is not None else float(raw)
-        except (TypeError, ValueError):
-            raise BadInput(f"{bad}: must be a number") from None
-        if not math.isfinite(value) or (spec.minimum is not None and value < spec.minimum):
-            raise BadInput(f"{bad}: must be a finite number >= {spec.minimum:g}")
+        except (TypeError, ValueError, OverflowError):
+            raise BadInput(f"{bad}: {what}") from None
+        if (not math.isfinite(value) or (spec.minimum is not None and value < spec.minimum)
+                or (spec.maximum is not None and value > spec.maximum)):
+            raise BadInput(f"{bad}: {what}")
         return int(value) if value.is_integer() else value
     if spec.type == "bool":
         if isinstance(raw, bool):
@@ -150,7 +188,7 @@ def _parse(spec: SettingSpec, raw: Any) -> Value:
         if isinstance(raw, str) and raw in spec.choices:
             return raw
         raise BadInput(f"{bad}: must be one of {', '.join(spec.choices)}")
-    raise AssertionError(f"settings.yml: unknown type {spec.type!r} for {spec.key}")
+    raise BadInput(f"settings file {SETTINGS_FILE}: field {spec.key}/type: unknown type {shown(spec.type)}")
 
 
 def parse_overrides(raw: Mapping[str, Any]) -> tuple[tuple[str, Value], ...]:
@@ -159,7 +197,7 @@ def parse_overrides(raw: Mapping[str, Any]) -> tuple[tuple[str, Value], ...]:
     specs = setting_specs()
     for key in raw:
         if spec_for(key) is None:
-            raise BadInput(f"unknown setting {key!r}: see `sharding-dump list settings` for valid keys "
+            raise BadInput(f"unknown setting {shown(key)}: see `sharding-dump list settings` for valid keys "
                            f"(or ici_<axis>_parallelism / dcn_<axis>_parallelism for a mesh axis of the rule file)")
     order = [key for key in specs if key in raw] + sorted(key for key in raw if key not in specs)
     return tuple((key, _parse(spec_for(key), raw[key])) for key in order)
@@ -171,9 +209,9 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise BadInput(f"{item!r}: settings are written KEY=VALUE (e.g. ici_fsdp_parallelism=-1)")
+            raise BadInput(f"{shown(item)}: settings are written KEY=VALUE (e.g. ici_fsdp_parallelism=-1)")
         if key in out:
-            raise BadInput(f"{key!r} is given twice")
+            raise BadInput(f"{shown(key)} is given twice")
         out[key] = value
     return out
 

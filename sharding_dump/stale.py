@@ -1,10 +1,10 @@
 """Stale goldens: anything in the golden tree that no case produces (a case renamed or dropped from
-the matrix, a folder copied by hand). Left alone it would be reviewed and kept forever without being
-checked by anything.
+the matrix, a folder copied by hand, a stray file inside a case folder, a temp left by a killed run).
+Left alone it would be reviewed and kept forever without being checked by anything.
 
 The expected paths come from the cases alone (never from what is on disk), so a scan can run while
-other processes write the goldens of those cases: it never enters a case folder, and it never
-touches a folder on the way to one.
+other processes write the goldens of those cases: inside a case folder it only looks for names no case
+writes there, and a temp folder of a golden write still in progress (its process alive) is left alone.
 
 >>> import tempfile
 >>> from sharding_dump.case import Case, golden_dir
@@ -22,8 +22,9 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
+from sharding_dump import serialize
 from sharding_dump.case import Case, golden_dir
-from sharding_dump.golden import display
+from sharding_dump.golden import GOLDEN_FILE_NAMES, display
 
 
 def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
@@ -35,11 +36,16 @@ def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
     stale: list[Path] = []
 
     def walk(folder: Path, parts: tuple[str, ...]) -> None:
-        for child in sorted(folder.iterdir()):
+        for child in _children(folder):
             child_parts = parts + (child.name,)
+            if serialize.is_temp(child.name) and not serialize.is_leftover(child.name):
+                continue  # another process is writing this case right now
             if child_parts in expected:
-                continue
-            if child_parts in on_the_way and child.is_dir() and not child.is_symlink():
+                if child.is_dir() and not child.is_symlink():
+                    stale.extend(p for p in _children(child) if p.name not in GOLDEN_FILE_NAMES)
+                else:
+                    stale.append(child)
+            elif child_parts in on_the_way and child.is_dir() and not child.is_symlink():
                 walk(child, child_parts)
             else:
                 stale.append(child)
@@ -49,13 +55,24 @@ def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
     return stale
 
 
+def _children(folder: Path) -> list[Path]:
+    """The entries of a folder, sorted; none when it has just been swapped away by a writer."""
+    try:
+        return sorted(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def remove(paths: Iterable[Path]) -> None:
     """Deletes stale files and folders (whole folders: nothing in them belongs to a case)."""
     for path in paths:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
 
 
 def report(paths: list[Path]) -> str:

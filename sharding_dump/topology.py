@@ -10,14 +10,20 @@ is any N CPU devices. Multi-slice (DCN) topologies are the same slice repeated `
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import math
 import re
 
-from sharding_dump.errors import BadInput
-from sharding_dump.resources import DATA_DIR
+from sharding_dump import settings
+from sharding_dump.errors import BadInput, shown
+from sharding_dump.resources import DATA_DIR, MAX_DIGITS, read_text
+
+TOPOLOGIES_FILE = DATA_DIR / "topologies.tsv"
+COLUMNS = ("name", "platform", "chip", "devices_per_slice", "devices_per_host", "hbm_gib_per_device", "torus",
+           "device_kind")
+PLATFORMS = ("tpu", "gpu")
+_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}")
 
 GIB = 1024**3
 _CPU_NAME = re.compile(r"cpu-([1-9][0-9]*)")
@@ -49,22 +55,64 @@ class Topology:
 
 @functools.cache
 def _table() -> dict[str, Topology]:
-    path = DATA_DIR / "topologies.tsv"
-    with path.open(encoding="utf-8") as handle:
-        rows = csv.DictReader((line for line in handle if not line.startswith("#")), delimiter="\t")
-        return {
-            row["name"]: Topology(
-                name=row["name"],
-                platform=row["platform"],
-                chip=row["chip"],
-                devices_per_slice=int(row["devices_per_slice"]),
-                devices_per_host=int(row["devices_per_host"]),
-                hbm_bytes_per_device=int(float(row["hbm_gib_per_device"]) * GIB),
-                torus=tuple(int(d) for d in row["torus"].split("x")) if row["torus"] else None,
-                device_kind=row["device_kind"] or None,
-            )
-            for row in rows
-        }
+    """topologies.tsv, every row typed and bounded (a bad row is BadInput naming its line and column)."""
+    text = read_text(TOPOLOGIES_FILE, "topology table", 1 << 20)
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1)
+             if line.strip() and not line.startswith("#")]
+    where = f"topology table {TOPOLOGIES_FILE}"
+    if not lines or tuple(lines[0][1].split("\t")) != COLUMNS:
+        raise BadInput(f"{where}: the header line must be the columns {', '.join(COLUMNS)} (tab-separated)")
+    table: dict[str, Topology] = {}
+    for number, line in lines[1:]:
+        row = dict(zip(COLUMNS, line.split("\t")))
+        if line.count("\t") != len(COLUMNS) - 1:
+            raise BadInput(f"{where}: line {number}: {len(line.split(chr(9)))} columns, expected {len(COLUMNS)}")
+        at = f"{where}: line {number}"
+        if not _NAME.fullmatch(row["name"]) or _CPU_NAME.fullmatch(row["name"]):
+            raise BadInput(f"{at}: column name: {shown(row['name'])} is not a topology name (lowercase letters, "
+                           "digits, '.', '-'; cpu-N is built in)")
+        if row["name"] in table:
+            raise BadInput(f"{at}: column name: {shown(row['name'])} is listed twice")
+        if row["platform"] not in PLATFORMS:
+            raise BadInput(f"{at}: column platform: {shown(row['platform'])} must be one of {', '.join(PLATFORMS)}")
+        if not _NAME.fullmatch(row["chip"]):
+            raise BadInput(f"{at}: column chip: {shown(row['chip'])} is not a chip name")
+        per_slice = _whole(row["devices_per_slice"], f"{at}: column devices_per_slice", settings.limits().max_devices)
+        per_host = _whole(row["devices_per_host"], f"{at}: column devices_per_host", per_slice)
+        hbm = _number(row["hbm_gib_per_device"], f"{at}: column hbm_gib_per_device", 1 << 20)
+        torus = _torus(row["torus"], f"{at}: column torus", per_slice)
+        table[row["name"]] = Topology(row["name"], row["platform"], row["chip"], per_slice, per_host, int(hbm * GIB),
+                                      torus=torus, device_kind=row["device_kind"] or None)
+    return table
+
+
+def _whole(text: str, where: str, maximum: int) -> int:
+    """A whole number in [1, maximum] from the table, or BadInput naming where it stands."""
+    if text.isdigit() and len(text) <= MAX_DIGITS and 1 <= int(text) <= maximum:
+        return int(text)
+    raise BadInput(f"{where}: {shown(text)} must be a whole number in [1, {maximum}]")
+
+
+def _torus(text: str, where: str, devices: int) -> tuple[int, ...] | None:
+    """`4x4x2` -> (4, 4, 2): the chip grid of one slice (empty off TPU); its product divides the slice."""
+    if not text:
+        return None
+    dims = text.split("x")
+    if len(dims) > 3 or not all(d.isdigit() and 1 <= int(d) <= devices for d in dims) \
+            or devices % math.prod(int(d) for d in dims):
+        raise BadInput(f"{where}: {shown(text)} must be up to three whole numbers joined by 'x' whose product "
+                       f"divides the {devices} devices of the slice")
+    return tuple(int(d) for d in dims)
+
+
+def _number(text: str, where: str, maximum: float) -> float:
+    try:
+        value = float(text) if len(text) <= MAX_DIGITS else float("nan")
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= maximum:  # also false for nan
+        raise BadInput(f"{where}: {shown(text)} must be a number in (0, {maximum}]")
+    return value
 
 
 def topology_names() -> list[str]:
@@ -78,15 +126,24 @@ def _natural_key(name: str) -> tuple:
 
 def load_topology(name: str, num_slices: int = 1) -> Topology:
     """The topology called `name`, repeated over `num_slices` slices; unknown names are BadInput."""
-    if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
-        raise BadInput(f"--num-slices {num_slices!r}: must be a whole number >= 1")
-    match = _CPU_NAME.fullmatch(name)
+    max_devices = settings.limits().max_devices
+    if (not isinstance(num_slices, int) or isinstance(num_slices, bool) or not 1 <= num_slices <= max_devices):
+        raise BadInput(f"--num-slices {shown(num_slices)}: must be a whole number in [1, {max_devices}]")
+    match = _CPU_NAME.fullmatch(name) if isinstance(name, str) else None
     if match:
-        n = int(match.group(1))
-        return Topology(name, "cpu", "cpu", n, n, None, num_slices)
-    table = _table()
-    if name not in table:
-        close = [t for t in topology_names() if t.split("-")[0] == name.split("-")[0]][:8]
-        hint = f"e.g. {', '.join(close)}" if close else "see `sharding-dump list topologies`"
-        raise BadInput(f"unknown topology {name!r}: valid names are in the topology table ({hint}) or cpu-N")
-    return dataclasses.replace(table[name], num_slices=num_slices)
+        digits = match.group(1)
+        if len(digits) > MAX_DIGITS or int(digits) > max_devices:
+            raise BadInput(f"topology {shown(name)}: cpu-N takes N in [1, {max_devices}] devices")
+        n = int(digits)
+        found = Topology(name, "cpu", "cpu", n, n, None, num_slices)
+    else:
+        table = _table()
+        if name not in table:
+            close = [t for t in topology_names() if t.split("-")[0] == str(name).split("-")[0]][:8]
+            hint = f"e.g. {', '.join(close)}" if close else "see `sharding-dump list topologies`"
+            raise BadInput(f"unknown topology {shown(name)}: valid names are in the topology table ({hint}) or cpu-N")
+        found = dataclasses.replace(table[name], num_slices=num_slices)
+    if found.num_devices > max_devices:
+        raise BadInput(f"topology {name} x --num-slices {num_slices}: {found.num_devices} devices, more than the "
+                       f"limit of {max_devices}")
+    return found

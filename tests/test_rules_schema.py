@@ -82,7 +82,7 @@ def test_user_rule_file_and_mesh_rules(tmp_path):
 
 @pytest.mark.parametrize("ref,message", [
     ("nope", "unknown rule"), ("../x", "must end in .yml"), ("/etc/passwd", "must end in .yml"),
-    ("/tmp/no-such-rule.yml", "no such file"), ("a b/c d.yml", "a rule name is letters"),
+    ("/tmp/no-such-rule.yml", "No such file or directory"), ("a b/c d.yml", "a rule name is letters"),
 ])
 def test_bad_rule_refs(ref, message):
     with pytest.raises(BadInput, match=message):

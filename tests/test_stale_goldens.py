@@ -81,11 +81,14 @@ def test_stale_paths_are_the_largest_unclaimed_ones(tmp_path):
     assert stale.stale_paths(tmp_path / "missing", cases) == []
     for case in cases:
         golden_dir(case, tmp_path).mkdir(parents=True)
-        (golden_dir(case, tmp_path) / "stray.tmp").write_text("")  # inside a case folder: not ours to judge
+        (golden_dir(case, tmp_path) / "named_shardings.json").write_text("")
+        (golden_dir(case, tmp_path) / "stray.tmp").write_text("")  # inside a case folder: no case writes it
     (tmp_path / "qwen3-0.6b/a3/slice_1").mkdir()
     (tmp_path / "README.md").write_text("")
     found = [p.relative_to(tmp_path).as_posix() for p in stale.stale_paths(tmp_path, cases)]
-    assert found == ["README.md", "qwen3-0.6b/a3/slice_1"]
+    assert found == ["README.md", "llama2-7b/v5p-16/slice_1/rule_default/stray.tmp",
+                     "llama2-7b/v5p-16/slice_1/rule_pure-fsdp/stray.tmp", "qwen3-0.6b/a3/slice_1",
+                     "qwen3-0.6b/a3/slice_2/rule_default/stray.tmp"]
     stale.remove(stale.stale_paths(tmp_path, cases))
     assert stale.stale_paths(tmp_path, cases) == []
-    assert all(golden_dir(c, tmp_path).is_dir() for c in cases)
+    assert all((golden_dir(c, tmp_path) / "named_shardings.json").is_file() for c in cases)

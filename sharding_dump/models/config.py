@@ -317,6 +317,9 @@ def check_card_block(card: dict[str, Any], where: str) -> None:
 def check_card_consistency(card: dict[str, Any], where: str) -> None:
     """Cross-field rules the schema cannot state: layer splits and expert counts must add up."""
     layers = card["num_decoder_layers"]
+    if card["num_query_heads"] % card["num_kv_heads"]:
+        raise BadInput(f"{where}: field num_kv_heads: {card['num_kv_heads']} does not divide num_query_heads "
+                       f"({card['num_query_heads']}); each key/value head serves a whole group of query heads")
     dense = card.get("first_num_dense_layers", 0)
     experts = card.get("num_experts", 0)
     if experts and dense >= layers:

@@ -1,0 +1,167 @@
+"""Faults: a golden write killed at any point leaves every case folder entirely old or entirely new,
+and the next run leaves no temp behind.
+
+The kill comes from the SHARDING_DUMP_FAULT_AT=N test hook (SIGKILL at the N-th step of a golden
+write: after the temp folder is made, after each file, after the swap), so every point between two
+steps is hit, including between the files of one case. The library is killed at every point (with
+the one-step swap and with the two-rename fallback); `sharding-dump --all` and
+`pytest --update-goldens` are killed as whole processes, in a matrix of two tiny cases.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sharding_dump import serialize
+from sharding_dump.case import Case, golden_dir
+from sharding_dump.golden import check_or_update, render
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [("qwen3-0.6b", "cpu-1", "default", {"max_target_length": 16, "per_device_batch_size": 1}),
+        ("qwen3-0.6b", "cpu-2", "pure-fsdp", {"max_target_length": 16, "per_device_batch_size": 1})]
+CASES = [Case.make(m, t, r, 1, o) for m, t, r, o in TINY]
+OLD = {"named_shardings.json": b"old named\n", "logical_shardings.json": b"old logical\n",
+       "activation_shardings.json": b"old activations\n", "notes.txt": b"left by hand\n"}
+
+
+def state(folder: Path) -> dict[str, bytes] | None:
+    """A case folder's files and bytes (None when it is not there)."""
+    if not folder.is_dir():
+        return None
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def temps(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if serialize.is_temp(p.name))
+
+
+def killed_write(n: int, folder: Path, files: dict[str, bytes], fallback: bool) -> bool:
+    """Writes `files` into `folder` in a forked child killed at step `n`; True when it was killed."""
+    pid = os.fork()
+    if pid == 0:  # the child does file system calls only, then dies or exits
+        try:
+            os.environ[serialize.FAULT_ENV] = str(n)
+            if fallback:
+                os.environ[serialize.NO_EXCHANGE_ENV] = "1"
+            serialize._steps = 0
+            serialize.write_case_folder(folder, files)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status)
+
+
+# The forked child only makes file-system calls and dies: JAX's threads are never needed in it.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-renames"])
+def test_a_case_folder_is_old_or_new_after_a_kill_at_every_step(tmp_path, fallback):
+    new = {"named_shardings.json": b"new named\n", "logical_shardings.json": b"new logical\n",
+           "activation_shardings.json": b"new activations\n"}
+    n = 0
+    while True:
+        n += 1
+        folder = tmp_path / f"kill{n}" / "model/topo/slice_1/rule_x"
+        serialize.write_case_folder(folder, OLD)
+        killed = killed_write(n, folder, new, fallback)
+        if fallback and state(folder) is None:  # killed between the two renames: the old one is aside
+            assert [t.split(".")[-1].split("-")[0] for t in temps(folder.parent)] == ["new", "old"]
+        else:
+            assert state(folder) in (OLD, new), (n, state(folder))
+        serialize.recover_leftovers(folder)
+        assert state(folder) in (OLD, new) and temps(tmp_path / f"kill{n}") == [], n
+        serialize.write_case_folder(folder, new)  # the next run
+        assert state(folder) == new and temps(tmp_path / f"kill{n}") == []
+        if not killed:
+            break
+    assert n >= 6  # made the temp folder, three files, swapped (two renames in the fallback), synced
+
+
+def plant_old(root: Path) -> None:
+    for case in CASES:
+        serialize.write_case_folder(golden_dir(case, root), OLD)
+
+
+def check_killed_tree(root: Path, fresh: dict[Case, dict[str, bytes]]) -> list[str]:
+    """Every case folder entirely old or new; then the next run (in-process) makes all new and leaves
+    no temp. Returns which cases were new after the kill."""
+    after_kill = []
+    for case in CASES:
+        found = state(golden_dir(case, root))
+        assert found in (OLD, fresh[case]), (case.label, sorted(found or {}))
+        after_kill.append("new" if found == fresh[case] else "old")
+    for case in CASES:
+        check_or_update(case, root, update=True)
+        assert state(golden_dir(case, root)) == fresh[case]
+    assert temps(root) == []
+    return after_kill
+
+
+def cli_copy(tmp_path: Path) -> Path:
+    """The package with a case matrix of the two tiny cases (the CLI's --all reads the package's)."""
+    pkg = tmp_path / "pkg"
+    shutil.copytree(REPO / "sharding_dump", pkg / "sharding_dump", ignore=shutil.ignore_patterns("__pycache__"))
+    lines = ["cases:"]
+    for model, topo, rule, overrides in TINY:
+        lines.append(f"  - {{model: {model}, topology: {topo}, rule: {rule}, overrides: "
+                     f"{{{', '.join(f'{k}: {v}' for k, v in overrides.items())}}}}}")
+    (pkg / "sharding_dump/data/cases.yml").write_text("\n".join(lines) + "\n")
+    return pkg
+
+
+def pytest_project(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "conftest.py").write_text(textwrap.dedent("""\
+        import importlib.metadata
+
+        if not any(ep.value.split(":")[0] == "sharding_dump.pytest_plugin"
+                   for ep in importlib.metadata.entry_points(group="pytest11")):
+            pytest_plugins = ["sharding_dump.pytest_plugin"]
+    """))
+    (project / "test_cases.py").write_text(textwrap.dedent(f"""\
+        import pytest
+        from sharding_dump.case import Case
+
+        CASES = [Case.make(m, t, r, 1, o) for m, t, r, o in {TINY!r}]
+
+        @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
+        def test_golden(case, sharding_golden):
+            sharding_golden.check(case)
+    """))
+    return project
+
+
+def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path):
+    fresh = {case: render(case) for case in CASES}
+    pkg, project = cli_copy(tmp_path), pytest_project(tmp_path)
+    # Step 9: between the second and third file of the second case, the first case done (the library
+    # test above kills at every step).
+    runs = {}
+    for point in (9,):
+        root = tmp_path / f"cli{point}"
+        plant_old(root)
+        env = {**os.environ, "PYTHONPATH": str(pkg), serialize.FAULT_ENV: str(point)}
+        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.cli", "--all", "--output-dir", str(root)],
+                                      env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    plant_old(project / "golden")
+    env = {**os.environ, "PYTHONPATH": str(REPO), serialize.FAULT_ENV: "4"}
+    runs[project / "golden"] = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--update-goldens"],
+        cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = {}
+    for root, process in runs.items():
+        out, err = process.communicate(timeout=600)
+        if root.name == "golden":
+            assert process.returncode != 0, out.decode()[-2000:]  # the worker running the write died
+        else:
+            assert process.returncode == -9, err.decode()[-2000:]
+        seen[root.name] = check_killed_tree(root, fresh)
+    assert seen == {"cli9": ["new", "old"], "golden": ["old", "old"]}
