@@ -684,8 +684,9 @@ def command(argv: Sequence[str]) -> int:
     parser.add_argument("--replicated-threshold", metavar="SIZE",
                         help=f"smallest value (e.g. 64MiB) that may not be replicated on every device "
                              f"(default: {SETTINGS_FILE.name})")
-    parser.add_argument("--golden-dir", default=cli.DEFAULT_OUTPUT_DIR,
-                        help=f"golden tree the compiled shardings are compared with (default: {cli.DEFAULT_OUTPUT_DIR}/)")
+    parser.add_argument("--golden-dir", metavar="DIR",
+                        help="golden tree the compiled shardings are compared with (default: golden-dir of "
+                             "[tool.sharding-dump], else golden/)")
     parser.add_argument("--record", action="store_true",
                         help="write the compiled figures beside each case's golden, keyed by backend and jax version")
     parser.add_argument("--tpu", action="store_true",
@@ -694,12 +695,13 @@ def command(argv: Sequence[str]) -> int:
     cli._add_settings_argument(parser)
     args = parser.parse_args(argv)
     threshold = default_threshold() if args.replicated_threshold is None else parse_size(args.replicated_threshold)
-    cases = cli._cases(args, "verifies")
+    project = cli._project(args)
+    cases = cli._cases(args, "verifies", project)
     if args.tpu:
         check_tpu_available()
         for case in cases:
             check_tpu_case(case)
-    options = Options(threshold, Path(args.golden_dir), record=args.record, tpu=args.tpu)
+    options = Options(threshold, project.golden_dir, record=args.record, tpu=args.tpu)
     for case in cases:  # an unreadable golden is bad input before any compile
         _golden_specs(case, options.golden_dir)
     results = []
