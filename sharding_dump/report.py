@@ -125,7 +125,7 @@ def tensor_bytes(entry: dict[str, Any] | None) -> int | None:
         return None
     if "per_device_bytes" in entry:
         return entry["per_device_bytes"]
-    return math.prod(entry["per_device_shape"]) * jnp.dtype(entry["dtype"]).itemsize
+    return math.prod(entry["per_device_shape"]) * specs.itemsize(entry["dtype"])
 
 
 def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
