@@ -70,7 +70,7 @@ cases:
      overrides: {ici_fsdp_parallelism: -1, ici_expert_parallelism: 2, per_device_batch_size: 0.5, max_target_length: 4096}}
   - {model: qwen3-0.6b, topology: tpu7x-8, rule: default,
      overrides: {ici_pipeline_parallelism: 2, num_pipeline_microbatches: 8, num_pipeline_repeats: 2,
-                 pipeline_parallel_layers: 24}}
+                 num_layers_per_pipeline_stage: 6, pipeline_parallel_layers: 24}}
 """
 
 
