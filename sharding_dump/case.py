@@ -26,7 +26,7 @@ from sharding_dump.model_ref import ModelRef, parse_model_ref
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 
 CASES_FILE = DATA_DIR / "cases.yml"
-MAX_NAME_CHARS = 200  # of a case folder name
+MAX_NAME_CHARS = 230  # of a case folder name: its temp twin (".<name>.new-<pid>-<8 hex>") stays within 255 bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.errors import BadInput, UnevenSplitWarning
-from sharding_dump.models.pipeline import pipeline_rules, plan_pipeline
+from sharding_dump.models.pipeline import pipeline_rules, plan_pipeline, stage_before_data
 from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
@@ -68,6 +68,7 @@ def setup_case(case: Case) -> CaseSetup:
         config = dataclasses.replace(config, pipeline=pipeline)
         if pipeline is not None:
             rule_set = pipeline_rules(rule_set)
+            plan = stage_before_data(plan)
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")

@@ -174,7 +174,7 @@ class GoldenChecker:
                 return outcome
             outcome = golden.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
-            pytest.fail(f"{case.label}: {one_line(str(err))}", pytrace=False)
+            pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too

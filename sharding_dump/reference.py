@@ -31,7 +31,8 @@ from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
 
 REFERENCE_FILE = "input_shardings.json"
-_KEY = re.compile(r"(?P<name>.+): (?P<dtype>[A-Za-z0-9_]+)\[(?P<shape>[0-9, ]*)\]")
+# `name: dtype[4,2048]`; in explicit mode a dimension carries its mesh axes too (`6@fsdp`).
+_KEY = re.compile(r"(?P<name>.+): (?P<dtype>[A-Za-z0-9_]+)\[(?P<shape>[0-9A-Za-z_@, ]*)\]")
 NormalSpec = specs.SpecAxes
 
 
@@ -92,7 +93,10 @@ def parse_reference(data: Any, where: str) -> list[ReferenceEntry]:
         if not match or not isinstance(value, dict) or not {"logic_axes", "PartitionSpec"} <= set(value):
             raise BadInput(f"{where}: item {index} ({key}): expected '<name>: <dtype>[<shape>]' with "
                            "logic_axes and PartitionSpec")
-        shape = tuple(int(d) for d in match["shape"].replace(" ", "").split(",") if d)
+        try:
+            shape = tuple(int(d.split("@", 1)[0]) for d in match["shape"].replace(" ", "").split(",") if d)
+        except ValueError:
+            raise BadInput(f"{where}: item {index} ({key}): shape {match['shape']!r} is not whole numbers") from None
         axes_text = value["logic_axes"]
         axes = None if axes_text == "Unknown" else tuple(_literal(axes_text, f"{where}: item {index} logic_axes"))
         spec_text = value["PartitionSpec"].strip()

@@ -21,7 +21,9 @@ logical_axis_rules:
 def test_version_names_the_packages_a_golden_depends_on(capsys):
     assert cli.main(["--version"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("sharding-dump 0.1.0 (jax ") and "flax " in out and "optax " in out
+    import sharding_dump
+
+    assert out.startswith(f"sharding-dump {sharding_dump.__version__} (jax ") and "flax " in out and "optax " in out
 
 
 def test_rules_that_match_nothing_warn(tmp_path, capsys, monkeypatch):

@@ -155,3 +155,17 @@ def test_check_reports_the_uneven_embed():
     subjects = {f.subject for f in findings}
     assert "params/decoder/dense_layers/mlp/wi_0/kernel (and opt_state/0/mu, opt_state/0/nu)" in subjects
     assert any("dim 0 (embed) of size 7168 is split over fsdp=2048" in f.message for f in findings)
+
+
+def test_pipelining_puts_stage_before_data_in_the_mesh_and_the_input_batch():
+    """MaxText (configs/types.py) swaps `stage` in front of `data` and leads data_sharding with it."""
+    from sharding_dump.case import Case
+    from sharding_dump.dump import setup_case
+
+    setup = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={
+        "ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "ici_data_parallelism": 2}))
+    names = setup.plan.axis_names
+    assert names.index("stage") < names.index("data") and setup.plan.sizes["stage"] == 2
+    assert setup.batch.header()["data_pipeline_spec"][0][:2] == ["stage", "data"]
+    plain = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={"ici_data_parallelism": 2}))
+    assert plain.plan.axis_names.index("data") < plain.plan.axis_names.index("stage")

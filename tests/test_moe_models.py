@@ -34,6 +34,7 @@ def test_parameter_count_matches_published_size(model, published, tolerance):
 ])
 def test_inconsistent_moe_card_is_bad_input(change, message):
     card = {"num_decoder_layers": 27, "first_num_dense_layers": 1, "num_experts": 64, "num_experts_per_tok": 6,
+            "num_query_heads": 16, "num_kv_heads": 16,
             "mlp_activations": ["silu", "linear"], **change}
     with pytest.raises(BadInput, match=f"model card x.yml: field {message}"):
         check_card_consistency(card, "model card x.yml")

@@ -156,7 +156,24 @@ def pipeline_rules(rule_set: rules_mod.RuleSet) -> rules_mod.RuleSet:
     name, axes = PIPELINE_LOGITS_BATCH
     axes = tuple(a for a in axes if a in rule_set.mesh_axes)
     changed = tuple((n, axes if n == name else a) for n, a in rule_set.logical_axis_rules)
-    return dataclasses.replace(rule_set, logical_axis_rules=changed)
+    # MaxText also moves `stage` to the front of the data pipeline's axes (configs/types.py).
+    data = rule_set.data_sharding
+    if STAGE_AXIS in data:
+        data = (STAGE_AXIS,) + tuple(a for a in data if a != STAGE_AXIS)
+    return dataclasses.replace(rule_set, logical_axis_rules=changed, data_sharding=data)
+
+
+def stage_before_data(plan: "MeshPlan") -> "MeshPlan":
+    """The mesh of a pipelined run: MaxText swaps `stage` in front of `data` when it comes after it
+    (configs/types.py), so the devices of one stage are contiguous. Sizes move with their axes."""
+    names = list(plan.axis_names)
+    if STAGE_AXIS not in names or "data" not in names or names.index(STAGE_AXIS) < names.index("data"):
+        return plan
+    i, j = names.index(STAGE_AXIS), names.index("data")
+    order = list(range(len(names)))
+    order[i], order[j] = order[j], order[i]
+    return dataclasses.replace(plan, axis_names=tuple(names[k] for k in order), ici=tuple(plan.ici[k] for k in order),
+                               dcn=tuple(plan.dcn[k] for k in order))
 
 
 def stage_as_data(rules: rules_mod.Rules) -> rules_mod.Rules:
