@@ -123,14 +123,18 @@ def _golden_bytes(path: Path) -> bytes | None:
     return serialize.read_regular(path)
 
 
-def _extras(folder: Path) -> list[str]:
-    """Names in a case folder that no case writes there (hand-made files, leftover temps)."""
+def _listing(folder: Path) -> list[str]:
     try:
-        return sorted(name for name in os.listdir(folder) if name not in GOLDEN_FILE_NAMES)
+        return sorted(os.listdir(folder))
     except FileNotFoundError:
         return []
     except OSError as err:
         raise os_error("golden folder", folder, err) from None
+
+
+def _extras(folder: Path) -> list[str]:
+    """Names in a case folder that no case writes there (hand-made files, leftover temps)."""
+    return [name for name in _listing(folder) if name not in GOLDEN_FILE_NAMES and not serialize.is_companion(name)]
 
 
 def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
@@ -230,7 +234,8 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     if not written and not extras and not stale:
         return Outcome(label, folder, "match")
     check_root(folder)
-    serialize.write_case_folder(folder, fresh)
+    carried = {name: serialize.read_regular(folder / name) for name in _listing(folder) if serialize.is_companion(name)}
+    serialize.write_case_folder(folder, {**carried, **fresh})
     return Outcome(label, folder, "written", files=tuple(written + stale), removed=tuple(extras))
 
 

@@ -33,6 +33,14 @@ from sharding_dump.resources import error_field, error_message, load_json, read_
 FILE_KINDS = {"named_shardings.json": "named", "logical_shardings.json": "logical",
               "activation_shardings.json": "activations"}
 GOLDEN_MAX_BYTES = 64 << 20
+# Files `sharding-dump verify --record` keeps beside a case's goldens: part of the case folder, carried
+# over when the goldens are rewritten, never reported as stray.
+COMPANION_NAME = re.compile(r"compiled_[A-Za-z0-9]+_jax-[0-9A-Za-z.+-]+\.json")
+
+
+def is_companion(name: str) -> bool:
+    """True for a file verify's --record writes beside the goldens (compiled_<backend>_jax-<version>.json)."""
+    return COMPANION_NAME.fullmatch(name) is not None
 TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<role>new|old|tmp)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 FAULT_ENV = "SHARDING_DUMP_FAULT_AT"  # test hook: kill this process at the N-th step of a golden write
 NO_EXCHANGE_ENV = "SHARDING_DUMP_NO_EXCHANGE"  # test hook: use the two-rename fallback of the swap

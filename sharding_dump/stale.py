@@ -42,7 +42,8 @@ def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
                 continue  # another process is writing this case right now
             if child_parts in expected:
                 if child.is_dir() and not child.is_symlink():
-                    stale.extend(p for p in _children(child) if p.name not in GOLDEN_FILE_NAMES)
+                    stale.extend(p for p in _children(child)
+                                 if p.name not in GOLDEN_FILE_NAMES and not serialize.is_companion(p.name))
                 else:
                     stale.append(child)
             elif child_parts in on_the_way and child.is_dir() and not child.is_symlink():

@@ -576,6 +576,7 @@ def _compare_figures(case: Any, options: Options, result: CaseResult) -> None:
     if options.record:
         data = serialize.canonical_bytes(now)
         if not path.is_file() or path.read_bytes() != data:
+            path.parent.mkdir(parents=True, exist_ok=True)
             serialize.write_atomic(path, data)
             result.figures_written = True
         return

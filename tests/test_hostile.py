@@ -23,6 +23,7 @@ from typing import Callable
 import pytest
 
 from sharding_dump import cli, settings, topology
+from sharding_dump.case import MAX_NAME_CHARS
 from sharding_dump.models import config as card_config
 from sharding_dump.resources import DATA_DIR, MODELS_DIR
 
@@ -463,7 +464,7 @@ def test_user_rule_file_with_a_long_name_gets_a_hashed_folder(tmp_path, capsys):
     rule.write_text((REPO / "sharding_dump/rules/default.yml").read_text())
     assert cli.main(TINY[:4] + ["--rule", str(rule), *TINY[6:], "--output-dir", str(tmp_path / "out")]) == 0
     (folder,) = (tmp_path / "out/qwen3-0.6b/cpu-1/slice_1").iterdir()
-    assert len(folder.name) == 200 and "~" in folder.name
+    assert len(folder.name) == MAX_NAME_CHARS and "~" in folder.name
     assert sorted(p.name for p in folder.iterdir()) == ["activation_shardings.json", "logical_shardings.json",
                                                         "named_shardings.json"]
 

@@ -102,3 +102,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
     assert status == 2, captured
     assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_recorded_figures_survive_a_golden_update_and_are_not_stale(tmp_path):
+    """verify --record's file lives in the case folder: a rewrite of the goldens keeps it, and the
+    stale check does not call it stray."""
+    from sharding_dump import golden, serialize, stale
+    from sharding_dump.case import Case, golden_dir
+
+    case = Case.make("qwen3-0.6b", "cpu-4", str(DATA / "clean.yml"))
+    folder = golden_dir(case, tmp_path)
+    folder.mkdir(parents=True)
+    recorded = folder / "compiled_cpu_jax-0.10.2.json"
+    recorded.write_bytes(serialize.canonical_bytes({"memory_per_device": {"temp": 1}}))
+    outcome = golden.check_or_update(case, tmp_path, update=True)
+    assert outcome.status == "written" and recorded.read_bytes().startswith(b"{")
+    assert stale.stale_paths(tmp_path, [case]) == []
+    (folder / "notes.txt").write_text("by hand")
+    assert [p.name for p in stale.stale_paths(tmp_path, [case])] == ["notes.txt"]
