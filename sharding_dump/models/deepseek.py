@@ -30,12 +30,11 @@ from sharding_dump.activations import constrain
 from sharding_dump.models.attention import MLA_INPUT, MLA_OUT, MLA_QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import MlpBlock
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, output_logits, scan_layers
+from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, scan_layers
 from sharding_dump.models.pipeline import apply_layer_stack, stage_as_data
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary, yarn_mscale
 
-BLE = ("activation_batch", "activation_norm_length", "activation_embed")
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -156,15 +155,9 @@ class DeepSeekDecoder(nn.Module):
         return output_logits(cfg, x)
 
 
-class DeepSeekDecoderLM(nn.Module):
+class DeepSeekDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    cfg: ModelConfig
+    def make_decoder(self, shared: Embed | None) -> nn.Module:
+        return DeepSeekDecoder(self.cfg)
 
-    def setup(self) -> None:
-        self.token_embedder = Embed(self.cfg)
-        self.decoder = DeepSeekDecoder(self.cfg)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
-        return self.decoder(x, positions)

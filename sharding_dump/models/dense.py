@@ -28,10 +28,9 @@ import jax
 from sharding_dump.activations import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, activation, apply_rope, output_logits
+from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, activation, apply_rope, output_logits
 from sharding_dump.models.pipeline import apply_layer_stack
 
-BLE = ("activation_batch", "activation_norm_length", "activation_embed")
 
 
 class MlpBlock(nn.Module):
@@ -109,16 +108,9 @@ class Decoder(nn.Module):
         return output_logits(cfg, x, self.shared_embedding)
 
 
-class DenseDecoderLM(nn.Module):
+class DenseDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    cfg: ModelConfig
+    def make_decoder(self, shared: Embed | None) -> nn.Module:
+        return Decoder(self.cfg, shared_embedding=shared)
 
-    def setup(self) -> None:
-        self.token_embedder = Embed(self.cfg)
-        shared = self.token_embedder if self.cfg.logits_via_embedding else None
-        self.decoder = Decoder(self.cfg, shared_embedding=shared)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
-        return self.decoder(x, positions)

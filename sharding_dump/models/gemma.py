@@ -19,10 +19,9 @@ import jax
 from sharding_dump.activations import constrain
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import Attention, MlpBlock
-from sharding_dump.models.layers import Embed, RMSNorm, output_logits
+from sharding_dump.models.layers import BLE, DecoderLM, Embed, RMSNorm, output_logits
 from sharding_dump.models.pipeline import apply_layer_stack
 
-BLE = ("activation_batch", "activation_norm_length", "activation_embed")
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -54,16 +53,9 @@ class GemmaDecoder(nn.Module):
         return output_logits(self.cfg, x, self.shared_embedding)
 
 
-class GemmaDecoderLM(nn.Module):
+class GemmaDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    cfg: ModelConfig
+    def make_decoder(self, shared: Embed | None) -> nn.Module:
+        return GemmaDecoder(self.cfg, shared_embedding=shared)
 
-    def setup(self) -> None:
-        self.token_embedder = Embed(self.cfg)
-        shared = self.token_embedder if self.cfg.logits_via_embedding else None
-        self.decoder = GemmaDecoder(self.cfg, shared_embedding=shared)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
-        return self.decoder(x, positions)

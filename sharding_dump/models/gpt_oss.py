@@ -21,12 +21,11 @@ import jax
 from sharding_dump.activations import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import Dense, Embed, RMSNorm, output_logits, weight_param
+from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, weight_param
 from sharding_dump.models.pipeline import apply_layer_stack
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
 
-BLE = ("activation_batch", "activation_norm_length", "activation_embed")
 
 
 class GptOssAttention(nn.Module):
@@ -101,15 +100,9 @@ class GptOssDecoder(nn.Module):
         return output_logits(cfg, x)
 
 
-class GptOssDecoderLM(nn.Module):
+class GptOssDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    cfg: ModelConfig
+    def make_decoder(self, shared: Embed | None) -> nn.Module:
+        return GptOssDecoder(self.cfg)
 
-    def setup(self) -> None:
-        self.token_embedder = Embed(self.cfg)
-        self.decoder = GptOssDecoder(self.cfg)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
-        return self.decoder(x, positions)

@@ -13,9 +13,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
 
 Axes = tuple[str | None, ...]
+# (batch, length, embed): the logical axes of the residual stream between blocks, in every family.
+BLE = ("activation_batch", "activation_norm_length", "activation_embed")
 
 
 def weight_param(module: nn.Module, name: str, shape: Sequence[int], axes: Axes, cfg: ModelConfig,
@@ -116,8 +119,6 @@ def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn
 def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | None" = None) -> jax.Array:
     """Final norm and output projection (through the tied embedding, or an own `logits_dense` kernel),
     constrained as logits. Call it from a decoder's compact `__call__`: the modules land in its scope."""
-    from sharding_dump.activations import constrain
-
     x = RMSNorm(cfg, name="decoder_norm")(x)
     if shared_embedding is not None:
         logits = shared_embedding.attend(x)
@@ -125,3 +126,22 @@ def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | Non
         logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
     return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
                      "logits")
+
+
+class DecoderLM(nn.Module):
+    """Token ids (batch, length) -> logits (batch, length, vocab): the token embedder, then a family's
+    decoder (its layer stack, final norm and output projection). A family names its decoder in
+    :meth:`make_decoder`; `shared` is the embedder when the card ties the output to it."""
+
+    cfg: ModelConfig
+
+    def make_decoder(self, shared: Embed | None) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must build its decoder")
+
+    def setup(self) -> None:
+        self.token_embedder = Embed(self.cfg)
+        self.decoder = self.make_decoder(self.token_embedder if self.cfg.logits_via_embedding else None)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
+        return self.decoder(x, positions)
