@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import hashlib
 import json
 import os
 import re
@@ -95,10 +96,16 @@ def read_document(path: Path) -> dict[str, Any]:
     if expected is not None and kind != expected:
         raise BadInput(f"golden file {path}: field kind: {json.dumps(kind)[:40]} under the name {Path(path).name}, "
                        f"which holds kind {expected!r}")
-    check_document(doc, f"golden file {path}")
+    digest = hashlib.sha256(canonical_bytes(doc)).digest()
+    if digest not in _VALIDATED:  # the same content passes or fails its schema the same way every time
+        check_document(doc, f"golden file {path}")
+        if len(_VALIDATED) >= 4096:
+            _VALIDATED.clear()
+        _VALIDATED.add(digest)
     return doc
 
 
+_VALIDATED: set[bytes] = set()  # digests of documents that passed their schema in this process
 _steps = 0
 
 
