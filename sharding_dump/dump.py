@@ -15,6 +15,8 @@ import functools
 import warnings
 from typing import Any
 
+from jax.extend.core import ClosedJaxpr
+
 from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
@@ -25,7 +27,7 @@ from sharding_dump.models.config import card_path
 from sharding_dump.topology import Topology, load_topology
 
 from sharding_dump.core import documents
-from sharding_dump.core.capture import Constraint, record_activations
+from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
 from sharding_dump.core.state import Model, as_model
 from sharding_dump.core.step import Step, abstract_batch, next_token_step
 from sharding_dump.model_ref import load_factory
@@ -102,7 +104,7 @@ def _check_even_splits(setup: CaseSetup) -> None:
     pads it): say which one, before anything is traced on the Explicit mesh."""
     layouts = state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set,
                                    setup.values["shard_optimizer_over_data"])
-    params_first = sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+    params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
         spec = serialize.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
         raise BadInput(f"shard_mode=explicit: {layout.path} dimension {dim} (size {layout.shape[dim]}) does not "
@@ -155,10 +157,16 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
 
 
+def _uneven_params_first(layouts: list[state.TensorLayout]) -> list[tuple[state.TensorLayout, int]]:
+    """The (leaf, dimension) pairs that split unevenly, parameters before optimizer slots (the one
+    worth naming first)."""
+    return sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+
+
 def warn_uneven(setup: CaseSetup, layouts: list[state.TensorLayout]) -> None:
     """Warns (UnevenSplitWarning) when any leaf of the case splits unevenly, naming one (a parameter
     when there is one); `sharding-dump check` lists them all."""
-    uneven = sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+    uneven = _uneven_params_first(layouts)
     if not uneven:
         return
     layout, dim = uneven[0]
@@ -193,10 +201,15 @@ def case_step(setup: CaseSetup) -> Step:
     return next_token_step(case_model(setup).apply, state.optimizer(), setup.batch.logical_axes)
 
 
+def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
+    """The jaxpr of one training step of the case's model on its abstract mesh, and its recording."""
+    return trace(case_step(setup), abstract_state_of(setup), abstract_batch(setup.batch.shape),
+                 mesh=setup.plan.abstract_mesh(), rules=setup.rule_set)
+
+
 def trace_activations(setup: CaseSetup) -> list[Constraint]:
     """Every activation constraint of one training step of the case's model on its mesh."""
-    return record_activations(case_step(setup), abstract_state_of(setup), abstract_batch(setup.batch.shape),
-                              mesh=setup.plan.abstract_mesh(), rules=setup.rule_set)
+    return read_constraints(*trace_case(setup))
 
 
 def render_case(case: Case) -> dict[str, bytes]:

@@ -7,19 +7,18 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from helpers import REPO
-from sharding_dump import activations, rules, state, train_step
+from sharding_dump import activations, rules
 from sharding_dump.activations import constrain
 from sharding_dump.case import Case
-from sharding_dump.dump import _abstract_state, render_case, setup_case
+from sharding_dump.core.step import BATCH_FIELDS
+from sharding_dump.dump import abstract_state_of, render_case, setup_case, trace_case
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import check_or_update
 
 
 def trace(case: Case):
     setup = setup_case(case)
-    st = _abstract_state(setup.config)
-    closed, rec = train_step.trace_step(setup.config, st, setup.plan, setup.rule_set, setup.batch, state.optimizer())
-    return setup, st, closed, rec
+    return (setup, abstract_state_of(setup), *trace_case(setup))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def test_constraints_forward_backward_and_rule_resolution(qwen_trace):
     # Every float activation (inside the scanned, rematerialised layer too) is constrained on the way
     # back as well; the integer batch is not.
     assert set(backward) == {k for k, c in forward.items() if c.dtype == "bfloat16"}
-    assert {k for k, c in forward.items() if c.dtype == "int32"} == set(train_step.BATCH_FIELDS)
+    assert {k for k, c in forward.items() if c.dtype == "int32"} == set(BATCH_FIELDS)
     for key, c in found.items():
         assert c.partition_spec == rules.to_mesh_axes(c.logical_axes, setup.rule_set.logical_axis_rules), key
         assert c.dtype in ("bfloat16", "int32"), key

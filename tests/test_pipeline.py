@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from helpers import REPO, assert_bad_input, run_cli
-from sharding_dump import activations, serialize, state, train_step
+from sharding_dump import activations, serialize, state
 from sharding_dump.case import Case, golden_dir, load_matrix
-from sharding_dump.dump import dump_case, setup_case
+from sharding_dump.dump import dump_case, setup_case, trace_case
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 
@@ -84,8 +84,7 @@ def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
     and the activation dump holds the stage buffers with `activation_stage` on `stage`."""
     setup = SETUPS[case.label]
     pp, cfg, batch = setup.config.pipeline, setup.config, setup.batch
-    closed, _ = train_step.trace_step(cfg, state.abstract_state(cfg), setup.plan, setup.rule_set, batch,
-                                      state.optimizer())
+    closed, _ = trace_case(setup)
     eqns = [eqn for eqn, _ in activations.equations(closed)]
     shifts = [e for e in eqns if e.primitive.name == "ppermute"]
     assert shifts and all(e.params["axis_name"] == ("stage",) for e in shifts)
