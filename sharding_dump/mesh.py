@@ -96,7 +96,7 @@ def plan_mesh(rule_set: RuleSet, topology: Topology, values: Mapping[str, Any],
     ici = _fill("ici", axes, values, topology.devices_per_slice, f"devices per slice of {topology.name}")
     dcn = _fill("dcn", axes, values, topology.num_slices, "slices (--num-slices)")
     plan = MeshPlan(axes, ici, dcn)
-    check_torus(plan, topology)
+    check_torus(plan, topology, bool(value_of(values, "allow_split_physical_axes")))
     return plan
 
 
@@ -113,26 +113,31 @@ class _StandInDevice:
 
 
 @functools.cache
-def _torus_failure(device_kind: str, torus: tuple[int, ...], cores: int, ici: tuple[int, ...]) -> str | None:
+def _torus_failure(device_kind: str, torus: tuple[int, ...], cores: int, ici: tuple[int, ...],
+                   allow_split: bool = False) -> str | None:
     """None when `jax.experimental.mesh_utils.create_device_mesh(ici, devices)` succeeds on one slice of
-    this torus, else its complaint."""
+    this torus, else its complaint. `allow_split`: as MaxText calls it with allow_split_physical_axes."""
     x, y, z = torus
     devices = [_StandInDevice(index, (i, j, k), core, device_kind)
                for index, (k, j, i, core) in enumerate((k, j, i, c) for k in range(z) for j in range(y)
                                                        for i in range(x) for c in range(cores))]
     try:
-        mesh_utils.create_device_mesh(list(ici), devices)
+        if allow_split:
+            mesh_utils.create_device_mesh(list(ici), devices, contiguous_submeshes=False, allow_split_physical_axes=True)
+        else:
+            mesh_utils.create_device_mesh(list(ici), devices)
     except (NotImplementedError, ValueError, AssertionError) as err:
         return str(err)
     return None
 
 
-def check_torus(plan: MeshPlan, topology: Topology) -> None:
+def check_torus(plan: MeshPlan, topology: Topology, allow_split: bool = False) -> None:
     """BadInput when the plan's ICI mesh cannot be laid on one slice of a TPU topology (MaxText would
-    fail to build its device mesh); names the axis that found no physical axes left."""
+    fail to build its device mesh); names the axis that found no physical axes left. `allow_split`
+    (the setting allow_split_physical_axes) lets an axis take part of a physical axis, as MaxText does."""
     if topology.platform != "tpu" or topology.torus is None:
         return
-    failure = _torus_failure(topology.device_kind, topology.torus, topology.devices_per_chip, plan.ici)
+    failure = _torus_failure(topology.device_kind, topology.torus, topology.devices_per_chip, plan.ici, allow_split)
     if failure is None:
         return
     physical = list(topology.torus) + ([topology.devices_per_chip] if topology.devices_per_chip > 1 else [])
@@ -141,7 +146,8 @@ def check_torus(plan: MeshPlan, topology: Topology) -> None:
     culprit = f"{plan.axis_names[int(match.group(1))]}={match.group(2)}" if match else "an axis"
     raise BadInput(f"ici parallelism {listing}: does not fit the {topology.name} torus "
                    f"({'x'.join(map(str, physical))} physical axes): {culprit} is not a product of physical axes "
-                   f"left free by the later mesh axes (each ICI axis size must be a product of whole physical axes)")
+                   f"left free by the later mesh axes (each ICI axis size must be a product of whole physical axes"
+                   f"{'' if allow_split else '; allow_split_physical_axes=true lets an axis split one'})")
 
 
 def use_mesh(plan: MeshPlan, explicit: bool = False):

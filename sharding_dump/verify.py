@@ -63,6 +63,8 @@ class StepParts:
     ici: tuple[int, ...]  # per axis, within a slice
     dcn: tuple[int, ...]  # per axis, across slices
     logical_axis_rules: Any  # made current while the step is traced
+    stacks: frozenset[tuple[int, ...]]  # sorted dims of every state leaf stacked over layers (stack_dims)
+    allow_split: bool  # allow_split_physical_axes: how the TPU device mesh is built
 
 
 def _build_step(case: Any) -> StepParts:
@@ -73,9 +75,11 @@ def _build_step(case: Any) -> StepParts:
 
     setup, layouts = dump.case_layouts(case)
     abstract = unbox(dump.abstract_state_of(setup))
+    stacks = stack_dims(layouts, stack_axes())
     return StepParts(dump.case_step(setup), abstract, abstract_batch(setup.batch.shape),
                      {t.path: t.partition_spec for t in layouts}, setup.batch.pipeline_spec,
-                     setup.plan.axis_names, setup.plan.ici, setup.plan.dcn, setup.rule_set.logical_axis_rules)
+                     setup.plan.axis_names, setup.plan.ici, setup.plan.dcn, setup.rule_set.logical_axis_rules,
+                     stacks, bool(setup.values["allow_split_physical_axes"]))
 
 
 def leaf_path(key_path: Sequence[Any]) -> str:
@@ -98,12 +102,25 @@ class Options:
 
 
 @functools.cache
+def _settings() -> dict[str, Any]:
+    data = load_yaml(SETTINGS_FILE, "verify settings")
+    for field in ("replicated_threshold", "stack_axes"):
+        if not isinstance(data, dict) or field not in data:
+            raise BadInput(f"verify settings {SETTINGS_FILE}: field {field}: missing")
+    return data
+
+
 def default_threshold() -> int:
     """`replicated_threshold` of data/verify.yml, in bytes."""
-    data = load_yaml(SETTINGS_FILE, "verify settings")
-    if not isinstance(data, dict) or "replicated_threshold" not in data:
-        raise BadInput(f"verify settings {SETTINGS_FILE}: field replicated_threshold: missing")
-    return parse_size(str(data["replicated_threshold"]), f"verify settings {SETTINGS_FILE}: field replicated_threshold")
+    return parse_size(str(_settings()["replicated_threshold"]), f"verify settings {SETTINGS_FILE}: field replicated_threshold")
+
+
+def stack_axes() -> tuple[str, ...]:
+    """`stack_axes` of data/verify.yml: the logical axes a scan stacks layers on."""
+    axes = _settings()["stack_axes"]
+    if not isinstance(axes, list) or not all(isinstance(a, str) and a for a in axes):
+        raise BadInput(f"verify settings {SETTINGS_FILE}: field stack_axes: give a list of logical axis names")
+    return tuple(axes)
 
 
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -310,9 +327,40 @@ def _grouped(where: str, found: dict[tuple[str, str], list[int]]) -> list[Replic
     return sorted(values, key=lambda v: (-v.bytes, v.op_name, v.shape))
 
 
-def gathered_values(hlo: str, threshold: int) -> list[Replicated]:
-    """All-gathers of the compiled (partitioned) module whose result, on one device, is at least
-    `threshold` bytes: values the partitioner rebuilds whole, with or without a warning."""
+def stack_dims(layouts: Sequence[Any], axes: Sequence[str]) -> frozenset[tuple[int, ...]]:
+    """Sorted dimensions of every value that holds a whole layer stack on one device: for each state
+    leaf with a stacked axis (one of `axes`), its per-device shape with that axis made whole and any
+    other axis whole or split, less the shapes a device already holds of some leaf (ZeRO-1 gathers
+    its updated parameters to exactly their own shape). Sorted, so the order the partitioner puts the
+    dimensions in does not matter.
+
+    >>> from sharding_dump.core.layout import TensorLayout
+    >>> from jax.sharding import PartitionSpec as P
+    >>> stack = TensorLayout("params/w", (1024, 28, 3072), "float32", ("embed", "layers", "mlp"),
+    ...                      P("tensor", "fsdp"), {"fsdp": 2, "tensor": 2})
+    >>> sorted(stack_dims([stack], ["layers"]))
+    [(28, 512, 3072), (28, 1024, 3072)]
+    """
+    import itertools
+
+    held = {tuple(sorted(t.per_device_shape)) for t in layouts}
+    out = set()
+    for t in layouts:
+        local = t.per_device_shape
+        for k, axis in enumerate(t.logical_axes or ()):
+            if axis not in axes or t.shape[k] < 2:
+                continue
+            choices = [(t.shape[i],) if i == k else tuple({local[i], t.shape[i]}) for i in range(len(t.shape))]
+            out.update(tuple(sorted(dims)) for dims in itertools.product(*choices))
+    return frozenset(out - held)
+
+
+def gathered_values(hlo: str, threshold: int, stacks: frozenset[tuple[int, ...]]) -> list[Replicated]:
+    """All-gathers of the compiled (partitioned) module that rebuild a whole layer stack on one device:
+    a result of at least `threshold` bytes whose dimensions are those of a whole stack (see
+    :func:`stack_dims`). A scan slices one layer per step, so a stack split on its layer axis is gathered
+    whole, with no warning. FSDP's gather of one layer's weight, of an unscanned weight (embedding,
+    logits) or of an activation is how the rules work, not a finding, whatever its size."""
     found: dict[tuple[str, str], list[int]] = {}
     for insts in computations(hlo)[0].values():
         for inst in insts:
@@ -321,8 +369,12 @@ def gathered_values(hlo: str, threshold: int) -> list[Replicated]:
             size = _result_bytes(inst)
             if size < threshold:
                 continue
-            op = _OP_NAME.search(inst.text)
             shape = inst.type if not inst.type.startswith("(") else _tuple_items(inst.type)[-1]
+            array = _ARRAY.search(shape)
+            dims = tuple(sorted(int(d) for d in array.group(2).split(",") if d)) if array else ()
+            if dims not in stacks:
+                continue
+            op = _OP_NAME.search(inst.text)
             entry = found.setdefault((re.sub(r"\{[^}]*\}", "", shape), op.group(1) if op else inst.opcode), [size, 0])
             entry[1] += 1
     return _grouped("all-gather", found)
@@ -335,15 +387,23 @@ _REMAT = re.compile(r"Involuntary full rematerialization\..*? from sharding (\{.
                     r"for HLO operation (%\S+) = (\S+)")
 
 
+_TRIAL_INPUT = "%fake_parameter"
+
+
 @dataclasses.dataclass(frozen=True)
 class Remat:
-    """XLA could not reshard a value and rebuilt it whole on every device, then split it again."""
+    """XLA could not reshard a value and rebuilt it whole on every device, then split it again.
+
+    `trial`: the instruction reads a `%fake_parameter`, the stand-in input of a scratch computation
+    the partitioner builds to try a partitioning strategy (e.g. a dot's) before choosing one; such a
+    warning is about a candidate, not the compiled program, so it is listed but not a failure."""
 
     instruction: str
     shape: str
     from_sharding: str
     to_sharding: str
     op_name: str
+    trial: bool = False
 
 
 def rematerializations(log: str) -> list[Remat]:
@@ -356,7 +416,7 @@ def rematerializations(log: str) -> list[Remat]:
         op = _OP_NAME.search(line)
         if match:
             remat = Remat(match.group(3), match.group(4).split("{", 1)[0], match.group(1), match.group(2),
-                          op.group(1) if op else "")
+                          op.group(1) if op else "", _TRIAL_INPUT in line.split(" for HLO operation ", 1)[-1])
         else:  # a wording this parser does not know: keep the whole line rather than lose the warning
             remat = Remat("", "", "", "", line.split("] ", 1)[-1][:400])
         if remat not in out:
@@ -391,6 +451,11 @@ class CaseResult:
     threshold: int = 0
 
     @property
+    def program_remats(self) -> list[Remat]:
+        """The rematerializations of the compiled program (not of the partitioner's trials)."""
+        return [r for r in self.remats if not r.trial]
+
+    @property
     def peak_bytes(self) -> int | None:
         """Arguments + outputs not aliased to them + temporaries: what one device needs at the peak."""
         if not self.memory:
@@ -409,8 +474,9 @@ class CaseResult:
         out = []
         if self.compile_error:
             out.append(f"compile failed: {self.compile_error}")
-        if self.remats:
-            out.append(f"{len(self.remats)} involuntary full rematerialization{'s' * (len(self.remats) != 1)}")
+        if self.program_remats:
+            n = len(self.program_remats)
+            out.append(f"{n} involuntary full rematerialization{'s' * (n != 1)}")
         if self.replicated:
             out.append(f"{len(self.replicated)} value{'s' * (len(self.replicated) != 1)} of "
                        f"{format_bytes(self.threshold)} or more per device replicated after propagation "
@@ -435,7 +501,7 @@ class CaseResult:
             "devices": self.devices,
             "memory_per_device": dict(sorted(self.memory.items())),
             "collectives_per_step": {k: {"count": t.count, "bytes": t.bytes} for k, t in sorted(self.collectives.items())},
-            "involuntary_rematerializations": len(self.remats),
+            "involuntary_rematerializations": len(self.program_remats),
             "replicated_values": len(self.replicated),
         }
 
@@ -474,11 +540,13 @@ def _golden_specs(case: Any, root: Path) -> dict[str, Any] | None:
     return {p: entry["partition_spec"] for p, entry in serialize.read_document(path)["tensors"].items()}
 
 
-def _child_env(devices: int, tpu: bool) -> dict[str, str]:
+def _child_env(devices: int, tpu: bool, work: Path) -> dict[str, str]:
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     if not tpu:  # with --tpu the devices come from libtpu's topology description, no backend needed
         flags.append(f"--xla_force_host_platform_device_count={devices}")
+    else:  # libtpu logs to files of its own: its warnings (the partitioner's among them) go to fd 2
+        env.update(TPU_STDERR_LOG_LEVEL="1", TPU_MIN_LOG_LEVEL="1", TPU_LOG_DIR=str(work))
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1])] +
@@ -527,7 +595,7 @@ def verify_case(case: Any, options: Options) -> CaseResult:
         with open(work / "xla.log", "wb") as log:  # the child's fd 2: XLA's C++ warnings land here
             proc = subprocess.run([sys.executable, "-m", "sharding_dump.verify_child", str(work)],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                  env=_child_env(topology.num_devices, options.tpu))
+                                  env=_child_env(topology.num_devices, options.tpu, work))
         log_text = (work / "xla.log").read_text(encoding="utf-8", errors="replace")
         answer_path = work / "result.json"
         if proc.returncode != 0 or not answer_path.is_file():
@@ -629,7 +697,8 @@ def render_case(r: CaseResult, fmt: str = "text") -> str:
     if r.compile_error and not r.memory:
         return "\n".join(lines)
     for remat in r.remats[:MAX_LISTED]:
-        lines.append(f"{bullet}[remat] {wrap(remat.op_name or remat.instruction)} {remat.shape}: "
+        kind = "remat, in a partitioner trial, not a failure" if remat.trial else "remat"
+        lines.append(f"{bullet}[{kind}] {wrap(remat.op_name or remat.instruction)} {remat.shape}: "
                      f"{wrap(remat.from_sharding)} -> {wrap(remat.to_sharding)}")
     for value in r.replicated[:MAX_LISTED]:
         kind = "replicated" if value.where == "propagation" else "gathered"

@@ -36,10 +36,13 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc(tpu_topology, "tpu", num_slices=num_slices).devices
+    split = parts.allow_split  # as MaxText builds its mesh (maxtext_utils.create_device_mesh)
     if num_slices > 1:
-        grid = mesh_utils.create_hybrid_device_mesh(parts.ici, parts.dcn, devices, allow_split_physical_axes=True)
+        grid = mesh_utils.create_hybrid_device_mesh(parts.ici, parts.dcn, devices, allow_split_physical_axes=split)
+    elif split:
+        grid = mesh_utils.create_device_mesh(shape, devices, contiguous_submeshes=False, allow_split_physical_axes=True)
     else:
-        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        grid = mesh_utils.create_device_mesh(shape, devices)
     return Mesh(np.asarray(grid), parts.axis_names, axis_types=axis_types)
 
 
@@ -119,7 +122,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                                 "alias": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes}
             hlo = compiled.as_text()
             traffic = verify.collectives(hlo)
-            answer["replicated"] = [vars(v) for v in verify.gathered_values(hlo, request["threshold"])]
+            answer["replicated"] = [vars(v) for v in verify.gathered_values(hlo, request["threshold"], parts.stacks)]
             answer["collectives"] = {k: {"count": t.count, "bytes": t.bytes} for k, t in traffic.items()}
             answer["mismatches"] = _mismatches(compiled, parts.state, request["golden"], mesh)
         if propagated:

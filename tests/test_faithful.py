@@ -120,6 +120,8 @@ def test_a_mesh_off_the_torus_is_refused(topology, overrides, culprit):
     ("tpu7x-16", 1, {"ici_data_parallelism": 2, "ici_tensor_parallelism": 2}),  # and on small tpu7x slices
     ("tpu7x-2048", 1, {"ici_tensor_parallelism": 8}),
     ("v6e-16", 2, {"ici_data_parallelism": 4, "dcn_data_parallelism": 2}),
+    # MaxText's allow_split_physical_axes: 2 x 8 on the 4x4 torus by splitting a physical axis
+    ("v6e-16", 1, {"ici_data_parallelism": 2, "allow_split_physical_axes": True}),
     ("a3", 1, {"ici_tensor_parallelism": 8}),
     ("cpu-12", 1, {"ici_data_parallelism": 3}),
 ])

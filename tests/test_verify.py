@@ -1,8 +1,11 @@
-"""`sharding-dump verify`: the real training step compiled on fake CPU devices, on a tiny qwen3 batch.
+"""`sharding-dump verify`: the real training step compiled on fake CPU devices, on a tiny Qwen3 card
+(tests/data/verify/tiny-qwen3.yml: every block of qwen3-0.6b, small enough to compile in seconds).
 
-Two compiles: a provoked rule file (tests/data/verify/) that XLA can only partition by rebuilding a
-value whole (an involuntary full rematerialization, logged from C++ on fd 2), and a clean one whose
-compiled shardings equal its golden. Everything else is bad input, checked before any compile.
+Three compiles: a provoked rule file (tests/data/verify/remat.yml) with the two mistakes an abstract
+dump calls clean (two splits of embed that XLA can only reconcile by rebuilding a value whole, and a
+layer stack split on its layer axis), through the CLI and through pytest's --sharding-verify; and a
+clean one whose compiled shardings equal its golden. Everything else is bad input, checked before
+any compile, or figures compared without a compile.
 """
 
 import json
@@ -14,51 +17,53 @@ from sharding_dump import verify
 from sharding_dump.cli import main
 
 DATA = REPO / "tests/data/verify"
+TINY = str(DATA / "tiny-qwen3.yml")
 SMALL = ["per_device_batch_size=1", "max_target_length=256"]
+REMAT_MESH = ["ici_data_parallelism=2", "ici_tensor_parallelism=2"]
 
 
-def case_args(rule: str, *extra: str) -> list[str]:
-    return ["--model", "qwen3-0.6b", "--topology", "cpu-4", "--rule", str(DATA / f"{rule}.yml"), *SMALL, *extra]
+def case_args(rule: str, *extra: str, topology: str = "cpu-4") -> list[str]:
+    return ["--model", TINY, "--topology", topology, "--rule", str(DATA / f"{rule}.yml"), *SMALL, *extra]
 
 
-REMAT_MESH = ["ici_tensor_parallelism=2"]
-
-
-def dump_golden(tmp_path, rule: str, *extra: str):
+def dump_golden(tmp_path, args: list[str]):
     """Writes the case's golden under tmp_path/golden and returns its named document's path."""
-    result = run_cli(*case_args(rule, *extra), "--output-dir", str(tmp_path / "golden"))
+    result = run_cli(*args, "--output-dir", str(tmp_path / "golden"))
     assert result.returncode == 0, result.stderr
     (named,) = (tmp_path / "golden").rglob("named_shardings.json")
     return named
 
 
-def test_provoked_rule_reports_the_remat_and_a_golden_that_drifted(tmp_path):
-    named = dump_golden(tmp_path, "remat", *REMAT_MESH)
+def test_provoked_rule_reports_the_remat_the_gathered_stacks_and_a_golden_that_drifted(tmp_path):
+    args = case_args("remat", *REMAT_MESH, topology="cpu-8")
+    named = dump_golden(tmp_path, args)
     doc = json.loads(named.read_text())
     drifted = "params/decoder/decoder_norm/scale"
     doc["tensors"][drifted]["partition_spec"] = ["fsdp"]  # the golden claims a layout the rules do not give
     named.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    result = run_cli("verify", *case_args("remat", *REMAT_MESH), "--golden-dir", str(tmp_path / "golden"), "--format", "json",
-                     "--replicated-threshold", "128MiB")
+    result = run_cli("verify", *args, "--golden-dir", str(tmp_path / "golden"), "--format", "json",
+                     "--replicated-threshold", "1MiB")
     assert result.returncode == 1, result.stderr
     (case,) = json.loads(result.stdout)["cases"]
     remats = case["involuntary_rematerializations"]
-    assert remats, case
+    # the attention's embed on (fsdp, tensor) against the layer's on tensor: XLA rebuilds a value whole
+    assert any("self_attention" in r["op_name"] for r in remats), remats
     assert all(r["from_sharding"].startswith("{") and r["to_sharding"].startswith("{") and r["shape"] for r in remats)
-    # the layer axis on fsdp: whole stacks of 28 layers gathered at once, which XLA does not warn about
-    stacks = [v for v in case["replicated_values"] if v["where"] == "all-gather" and v["shape"].startswith("f32[28,")]
-    assert stacks and all(v["bytes"] >= 128 * 2**20 for v in stacks), case["replicated_values"]
+    # the layer axis on data: every whole stack of 8 layers gathered, which XLA does not warn about
+    stacks = [v for v in case["replicated_values"] if v["where"] == "all-gather" and v["shape"].startswith("f32[8,")]
+    assert stacks and all(v["bytes"] >= 2**20 for v in stacks), case["replicated_values"]
     assert [m["tensor"] for m in case["sharding_mismatches"]] == [drifted]
     assert case["sharding_mismatches"][0]["golden"] == ["fsdp"]
     assert any("involuntary full rematerialization" in f for f in case["failures"])
 
 
 def test_clean_case_exits_0_and_records_its_figures(tmp_path):
-    dump_golden(tmp_path, "clean")
-    result = run_cli("verify", *case_args("clean"), "--golden-dir", str(tmp_path / "golden"), "--record")
+    dump_golden(tmp_path, case_args("clean"))
+    result = run_cli("verify", *case_args("clean"), "--golden-dir", str(tmp_path / "golden"), "--record",
+                     "--replicated-threshold", "1MiB")
     assert result.returncode == 0, result.stdout + result.stderr
     first = result.stdout.splitlines()[0]
-    assert first.startswith("qwen3-0.6b/cpu-4/slice_1/rule_clean_per_device_batch_size=1_max_target_length=256: ok (cpu, 4 devices")
+    assert first.startswith("tiny-qwen3/cpu-4/slice_1/rule_clean_per_device_batch_size=1_max_target_length=256: ok (cpu, 4 devices")
     assert "XLA:CPU estimate" in result.stdout and "no HBM limit" in result.stdout
     (recorded,) = (tmp_path / "golden").rglob("compiled_cpu_jax-*.json")
     figures = json.loads(recorded.read_text())
@@ -67,15 +72,32 @@ def test_clean_case_exits_0_and_records_its_figures(tmp_path):
     # arguments: the whole state and the batch, split four ways; all of the state is donated
     memory = figures["memory_per_device"]
     assert memory["alias"] > 0.99 * memory["output"] and memory["argument"] > memory["alias"]
-    # the 28 scanned layers each gather their weights: the loop's trip count multiplies them
-    assert figures["collectives_per_step"]["all-gather"]["count"] >= 28
+    # the 8 scanned layers each gather their weights: the loop's trip count multiplies them
+    assert figures["collectives_per_step"]["all-gather"]["count"] >= 8
+
+
+def test_sharding_verify_fails_the_case_test_with_the_report(pytester):
+    """pytest --sharding-verify: a case whose golden is right but whose compiled step rematerializes
+    fails its test with verify's report; without the option the same case passes."""
+    (pytester.path / "cases.yml").write_text(
+        "cases:\n"
+        f"  - {{model: {TINY}, topology: cpu-8, rule: {DATA / 'remat.yml'},\n"
+        "     overrides: {per_device_batch_size: 1, max_target_length: 256, ici_data_parallelism: 2,\n"
+        "                 ici_tensor_parallelism: 2}}\n")
+    (pytester.path / "pyproject.toml").write_text(
+        '[tool.sharding-dump]\ngolden-dir = "goldens"\ncases = ["cases.yml"]\n')
+    assert main(["--all", "--cases", str(pytester.path / "cases.yml"), "--golden-dir", str(pytester.path / "goldens")]) == 0
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", "pyproject.toml").assert_outcomes(passed=2)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "pyproject.toml", "--sharding-verify")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*FAIL * involuntary full rematerialization*", "*[[]remat[]]*self_attention*"])
 
 
 def test_recorded_figures_that_differ_fail_the_case(tmp_path):
     """Comparison with recorded figures, on figures as the child reports them (no compile needed)."""
     from sharding_dump.case import Case
 
-    case = Case.make("qwen3-0.6b", "cpu-4", str(DATA / "clean.yml"))
+    case = Case.make(TINY, "cpu-4", str(DATA / "clean.yml"))
     result = verify.CaseResult(case.label, "cpu", 4, None, memory={"argument": 8, "output": 4, "alias": 4, "temp": 16},
                                collectives={"all-gather": verify.Traffic(28, 1024)}, jax_version="0.10.2")
     options = verify.Options(2**30, tmp_path, record=True)
@@ -110,7 +132,7 @@ def test_recorded_figures_survive_a_golden_update_and_are_not_stale(tmp_path):
     from sharding_dump import golden, serialize, stale
     from sharding_dump.case import Case, golden_dir
 
-    case = Case.make("qwen3-0.6b", "cpu-4", str(DATA / "clean.yml"))
+    case = Case.make(TINY, "cpu-4", str(DATA / "clean.yml"))
     folder = golden_dir(case, tmp_path)
     folder.mkdir(parents=True)
     recorded = folder / "compiled_cpu_jax-0.10.2.json"
@@ -120,3 +142,24 @@ def test_recorded_figures_survive_a_golden_update_and_are_not_stale(tmp_path):
     assert stale.stale_paths(tmp_path, [case]) == []
     (folder / "notes.txt").write_text("by hand")
     assert [p.name for p in stale.stale_paths(tmp_path, [case])] == ["notes.txt"]
+
+
+def test_remats_of_the_partitioners_trials_are_listed_but_do_not_fail(tmp_path):
+    """XLA also warns about scratch computations it partitions to try a strategy; their input is a
+    `%fake_parameter`. Those are listed, marked, and not counted; a warning about the program is."""
+    head = ("W1122 09:38:54.423001 8674 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. "
+            "The compiler cannot go from sharding {devices=[16,1,1]<=[16]} to {devices=[1,1,8,2]<=[2,8]T(1,0) "
+            "last_tile_dim_replicate} efficiently for HLO operation ")
+    trial = head + "%fake_parameter.2 = f32[12,2048,4096]{2,1,0} parameter(2), sharding={devices=[16,1,1]<=[16]}. As the last resort"
+    trial_gather = head + ("%gather = f32[4,4096,128]{2,1,0} gather(%fake_parameter.0, %all-gather), offset_dims={2}, "
+                           "sharding={devices=[1,1,8]<=[8]}. As the last resort")
+    real = head + ('%gather = f32[4,4096,128]{2,1,0} gather(%param, %all-gather), offset_dims={2}, '
+                   'metadata={op_name="jit(step)/token_embedder/gather" stack_frame_id=23}. As the last resort')
+    remats = verify.rematerializations("\n".join([trial, trial_gather, real]))
+    assert [(r.trial, r.shape) for r in remats] == [(True, "f32[12,2048,4096]"), (True, "f32[4,4096,128]"),
+                                                    (False, "f32[4,4096,128]")]
+    result = verify.CaseResult("c", "cpu", 16, None, remats=remats[:2], threshold=1)
+    assert result.failures == [] and result.figures()["involuntary_rematerializations"] == 0
+    assert "[remat, in a partitioner trial, not a failure]" in verify.render_case(result)
+    result.remats = remats
+    assert result.failures == ["1 involuntary full rematerialization"]
