@@ -242,6 +242,28 @@ def _result_bytes(inst: Instruction) -> int:
     return array_bytes(inst.type)
 
 
+_CONDITION = re.compile(r"\bcondition=%([^\s,)}]+)")
+_CONSTANT = re.compile(r"constant\((-?[0-9]+)\)")
+
+
+def _trip_count(loop: Instruction, comps: dict[str, list[Instruction]]) -> int:
+    """How many times a while loop runs: XLA's `known_trip_count` (XLA:CPU writes it), else the bound
+    of its condition `counter < N` with the counter starting at 0, as a scan's loop is (XLA:TPU
+    writes no trip count); 1 when neither is there."""
+    trip = _TRIP_COUNT.search(loop.text)
+    if trip:
+        return int(trip.group(1))
+    condition = _CONDITION.search(loop.text)
+    insts = comps.get(condition.group(1), []) if condition else []
+    constants = {i.name: int(m.group(1)) for i in insts if i.opcode == "constant" and (m := _CONSTANT.search(i.text))}
+    for inst in insts:
+        if inst.opcode == "compare" and "direction=LT" in inst.text:
+            operands = re.findall(r"%([^\s,)]+)", inst.text.split(")", 1)[0])
+            if len(operands) == 2 and operands[1] in constants and constants[operands[1]] > 0:
+                return constants[operands[1]]
+    return 1
+
+
 def collectives(hlo: str) -> dict[str, Traffic]:
     """Collectives of one execution of the compiled module's entry computation, loop bodies counted
     once per iteration (XLA's known trip count; 1 where it is unknown)."""
@@ -258,10 +280,7 @@ def collectives(hlo: str) -> dict[str, Traffic]:
             callees = _CALLEE.findall(inst.text)
             for listed in _CALLEE_LIST.findall(inst.text):
                 callees += [c.strip().lstrip("%") for c in listed.split(",") if c.strip()]
-            times = 1
-            if inst.opcode == "while":
-                trip = _TRIP_COUNT.search(inst.text)
-                times = int(trip.group(1)) if trip else 1
+            times = _trip_count(inst, comps) if inst.opcode == "while" else 1
             for callee in callees:
                 for i, (count, size) in enumerate(within(callee)):
                     totals[i][0] += times * count

@@ -163,3 +163,47 @@ def test_remats_of_the_partitioners_trials_are_listed_but_do_not_fail(tmp_path):
     assert "[remat, in a partitioner trial, not a failure]" in verify.render_case(result)
     result.remats = remats
     assert result.failures == ["1 involuntary full rematerialization"]
+
+
+TPU_STYLE_LOOP = """\
+HloModule step
+
+%cond (p: (s32[], f32[8,128])) -> pred[] {
+  %constant.4 = s32[]{:T(128)} constant(6)
+  %p = (s32[]{:T(128)}, f32[8,128]{1,0}) parameter(0)
+  %get-tuple-element.1 = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt.1 = pred[]{:T(512)} compare(%get-tuple-element.1, %constant.4), direction=LT
+}
+
+%body (q: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %q = (s32[]{:T(128)}, f32[8,128]{1,0}) parameter(0)
+  %get-tuple-element.2 = f32[8,128]{1,0} get-tuple-element(%q), index=1
+  %all-gather-start.1 = (f32[8,128]{1,0}, f32[32,128]{1,0}) all-gather-start(%get-tuple-element.2), dimensions={0}
+  %all-gather-done.1 = f32[32,128]{1,0} all-gather-done(%all-gather-start.1)
+  ROOT %tuple.1 = (s32[]{:T(128)}, f32[8,128]{1,0}) tuple(%get-tuple-element.2, %get-tuple-element.2)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add.1 = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[8,128]) -> f32[8,128] {
+  %x = f32[8,128]{1,0} parameter(0)
+  %all-reduce.1 = f32[8,128]{1,0} all-reduce(%x), to_apply=%add
+  %tuple.2 = (s32[]{:T(128)}, f32[8,128]{1,0}) tuple(%x, %x)
+  %while.1 = (s32[]{:T(128)}, f32[8,128]{1,0}) while(%tuple.2), condition=%cond, body=%body
+  ROOT %get-tuple-element.3 = f32[8,128]{1,0} get-tuple-element(%while.1), index=1
+}
+"""
+
+
+def test_collectives_multiply_loop_bodies_by_the_trip_count_written_or_read_from_the_condition():
+    """XLA:CPU writes a loop's known_trip_count; XLA:TPU does not, so the bound of `counter < N` in
+    the loop's condition is used. An async all-gather counts its result (4 x 8 x 128 floats)."""
+    traffic = verify.collectives(TPU_STYLE_LOOP)
+    assert (traffic["all-gather"].count, traffic["all-gather"].bytes) == (6, 6 * 32 * 128 * 4)
+    assert (traffic["all-reduce"].count, traffic["all-reduce"].bytes) == (1, 8 * 128 * 4)
+    written = TPU_STYLE_LOOP.replace("body=%body\n", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}\n')
+    assert verify.collectives(written)["all-gather"].count == 3
