@@ -201,7 +201,8 @@ def test_rule_without_stage_mapping_is_bad_input(tmp_path):
 def test_pipelined_logits_equal_the_plain_stack():
     """Run on 4 CPU devices: the schedule (state_io, circular storage, ppermute shifts) must not change
     the numbers the model computes."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     result = subprocess.run([sys.executable, str(REPO / "tests" / "pipeline_equivalence.py")], capture_output=True,
                             text=True, env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
