@@ -4,12 +4,13 @@ the ICI mesh and the warning on uneven splits. Pipeline layout and ZeRO-1 are pi
 test_pipeline.py and test_shard_modes.py."""
 
 import functools
+import json
 
 import pytest
 
-from helpers import assert_bad_input
+from helpers import REPO, assert_bad_input
 from sharding_dump import cli, models, state
-from sharding_dump.case import Case
+from sharding_dump.case import Case, golden_dir, load_matrix
 from sharding_dump.dump import dump_case, setup_case
 from sharding_dump.errors import BadInput
 from sharding_dump.mesh import plan_mesh
@@ -83,7 +84,9 @@ def test_card_rules_apply_on_the_base_rules_only():
     assert dict(default.logical_axis_rules)["norm"] == "fsdp"
     custom = setup_case(Case.make("llama2-7b", "v5p-16", "pure-fsdp")).rule_set
     assert custom.logical_axis_rules == load_rule("pure-fsdp").logical_axis_rules
-    named = dump_case(Case.make("llama2-7b", "v5p-16", "pure-fsdp"))["named_shardings.json"]["tensors"]
+    case = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
+    assert case in load_matrix()  # so its golden is checked against a fresh dump
+    named = json.loads((golden_dir(case, REPO / "golden") / "named_shardings.json").read_text())["tensors"]
     assert named["params/decoder/decoder_norm/scale"]["partition_spec"] == [None]
 
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO, assert_bad_input, run_cli
 from sharding_dump import activations, serialize, state
 from sharding_dump.case import Case, golden_dir, load_matrix
-from sharding_dump.dump import dump_case, setup_case, trace_case
+from sharding_dump.dump import setup_case, trace_case
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 
@@ -27,6 +27,13 @@ def test_matrix_has_the_pipeline_cases():
                for c in PIPELINE_CASES)
 
 
+def golden_documents(case) -> dict:
+    """The case's committed state documents: the golden tests check they equal a fresh dump, so the
+    layout tests read them rather than trace the case again."""
+    return {name: serialize.read_document(golden_dir(case, REPO / "golden") / name)
+            for name in ("named_shardings.json", "logical_shardings.json")}
+
+
 def test_matrix_covers_every_stage_layout():
     layouts = {(p.layers_per_stage > 1, p.scan_layers_per_stage)
                for p in (SETUPS[c.label].config.pipeline for c in PIPELINE_CASES)}
@@ -38,7 +45,7 @@ def test_stacked_layer_weights_are_laid_out_as_maxtext(case):
     """[R,] N leading dims named ([circular_repeats,] layers), stage on `stage`; a stage of one layer
     has no layer axis of its own, K unscanned layers are `layers_<k>`, K scanned ones share one
     weight with `layers_per_stage` (size K) at position 1 of the layer's own axes."""
-    docs = dump_case(case)
+    docs = golden_documents(case)
     named, logical = docs["named_shardings.json"]["tensors"], docs["logical_shardings.json"]["tensors"]
     stacked = [path for path in named if "/stages/" in path]
     assert len(stacked) >= 3 * 9  # params, mu and nu of every stacked weight
@@ -68,7 +75,7 @@ def test_layers_outside_the_pipeline_are_not_on_stage():
         setup = SETUPS[case.label]
         if setup.config.pipeline.num_layers == setup.config.pipelined_stack_layers:
             continue
-        docs = dump_case(case)
+        docs = golden_documents(case)
         named, logical = docs["named_shardings.json"]["tensors"], docs["logical_shardings.json"]["tensors"]
         outside = [p for p in named if p.startswith("params/") and "_outside_pipeline/" in p]
         want = "moe_layers" if setup.config.first_num_dense_layers else "layers_outside_pipeline"

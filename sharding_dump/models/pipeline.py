@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import flax.linen as nn
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
@@ -237,6 +238,9 @@ def _ring_shift(x: jax.Array, offset: int, num_stages: int) -> jax.Array:
                          axis_names={STAGE_AXIS})(x)
 
 
+ITERATION_INPUT = "iteration_input"  # the checkpoint name MaxText saves of each pipeline iteration
+
+
 def _stage_ids(num_stages: int, ndim: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, (num_stages,) + (1,) * (ndim - 1), 0)
 
@@ -277,6 +281,7 @@ def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Arr
         elif r > 1:
             first = jnp.where(t < m, column, shift)
         inputs = constrain(jnp.where(stage_ids == 0, first, shift), STAGE_BUFFER_AXES, "pipeline_stage_inputs")
+        inputs = jax.ad_checkpoint.checkpoint_name(inputs, ITERATION_INPUT)
         ages = t - jnp.arange(n)  # microbatch-steps each stage is into the schedule
         stage_positions = jnp.take(micro_positions, ages % m, axis=0)
         stage_weights = weights if r == 1 else _select_repeat(weights, jnp.clip(ages // m, 0, r - 1))
@@ -288,7 +293,11 @@ def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Arr
         state_io = constrain(state_io, (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:], "pipeline_state_io")
         return (state_io, shift, circ), None
 
-    (state_io, _, _), _ = jax.lax.scan(iteration, (state_io, shift, circ), jnp.arange(pp.num_iterations))
+    # As MaxText (set_remat_policy_on_pipeline_iterations): each iteration is rematerialised in the
+    # backward pass, keeping only the stages' inputs, so no iteration's activations outlive it.
+    body = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT),
+                          prevent_cse=False)
+    (state_io, _, _), _ = jax.lax.scan(body, (state_io, shift, circ), jnp.arange(pp.num_iterations))
     # Microbatch a*K + b left the last stage into column (b + N - 1) mod K and was shifted back to stage a.
     return jnp.roll(state_io, -(n - 1), axis=1).reshape(x.shape)
 
