@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax._src import mesh_utils  # the builder MaxText's create_device_mesh calls; pinned jax version
@@ -112,6 +112,15 @@ class _StandInDevice:
     slice_index: int = 0
 
 
+def device_grid(ici: Sequence[int], devices: Sequence[Any], allow_split: bool = False) -> Any:
+    """One slice's devices laid out as the ICI mesh, as MaxText's create_device_mesh does: whole
+    physical axes per mesh axis, or (allow_split_physical_axes) parts of them."""
+    if allow_split:
+        return mesh_utils.create_device_mesh(list(ici), devices, contiguous_submeshes=False,
+                                             allow_split_physical_axes=True)
+    return mesh_utils.create_device_mesh(list(ici), devices)
+
+
 @functools.cache
 def _torus_failure(device_kind: str, torus: tuple[int, ...], cores: int, ici: tuple[int, ...],
                    allow_split: bool = False) -> str | None:
@@ -122,10 +131,7 @@ def _torus_failure(device_kind: str, torus: tuple[int, ...], cores: int, ici: tu
                for index, (k, j, i, core) in enumerate((k, j, i, c) for k in range(z) for j in range(y)
                                                        for i in range(x) for c in range(cores))]
     try:
-        if allow_split:
-            mesh_utils.create_device_mesh(list(ici), devices, contiguous_submeshes=False, allow_split_physical_axes=True)
-        else:
-            mesh_utils.create_device_mesh(list(ici), devices)
+        device_grid(ici, devices, allow_split)
     except (NotImplementedError, ValueError, AssertionError) as err:
         return str(err)
     return None

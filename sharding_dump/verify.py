@@ -266,7 +266,7 @@ def _trip_count(loop: Instruction, comps: dict[str, list[Instruction]]) -> int:
 
 def collectives(hlo: str) -> dict[str, Traffic]:
     """Collectives of one execution of the compiled module's entry computation, loop bodies counted
-    once per iteration (XLA's known trip count; 1 where it is unknown)."""
+    once per iteration (:func:`_trip_count`)."""
     comps, entry = computations(hlo)
 
     @functools.cache

@@ -29,6 +29,8 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
     from jax.experimental import mesh_utils
     from jax.sharding import AxisType, Mesh
 
+    from sharding_dump.mesh import device_grid
+
     axis_types = (AxisType.Auto,) * len(parts.axis_names)
     shape = tuple(i * d for i, d in zip(parts.ici, parts.dcn))
     if tpu_topology is None:
@@ -36,13 +38,11 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc(tpu_topology, "tpu", num_slices=num_slices).devices
-    split = parts.allow_split  # as MaxText builds its mesh (maxtext_utils.create_device_mesh)
-    if num_slices > 1:
-        grid = mesh_utils.create_hybrid_device_mesh(parts.ici, parts.dcn, devices, allow_split_physical_axes=split)
-    elif split:
-        grid = mesh_utils.create_device_mesh(shape, devices, contiguous_submeshes=False, allow_split_physical_axes=True)
+    if num_slices > 1:  # as MaxText builds its mesh (maxtext_utils.create_device_mesh)
+        grid = mesh_utils.create_hybrid_device_mesh(parts.ici, parts.dcn, devices,
+                                                    allow_split_physical_axes=parts.allow_split)
     else:
-        grid = mesh_utils.create_device_mesh(shape, devices)
+        grid = device_grid(shape, devices, parts.allow_split)
     return Mesh(np.asarray(grid), parts.axis_names, axis_types=axis_types)
 
 
