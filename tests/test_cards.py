@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import REPO, assert_bad_input, run_cli
+from helpers import REPO, assert_bad_input, committed_golden, run_cli
 from sharding_dump import cli, models, state
-from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump.case import Case, load_matrix
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import check_or_update
 from sharding_dump.models.config import honoured_fields, load_card, resolve_model
@@ -189,8 +189,7 @@ def test_card_by_path_dumps_under_its_name(tmp_path):
     params = {k: v for k, v in named["tensors"].items() if k.startswith("params/")}
     assert sum(int(np.prod(t["shape"])) for t in params.values()) == 8_030_261_248
     # The same model as the shipped Llama 3.1 8B card: the same layouts, tensor by tensor.
-    shipped = json.loads((golden_dir(Case.make("llama3.1-8b", "v5p-32", "default"), REPO / "golden")
-                          / "named_shardings.json").read_text())
+    shipped = committed_golden(Case.make("llama3.1-8b", "v5p-32", "default"), "named_shardings.json")
     assert named["tensors"] == shipped["tensors"]
 
 

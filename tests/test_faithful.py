@@ -4,13 +4,12 @@ the ICI mesh and the warning on uneven splits. Pipeline layout and ZeRO-1 are pi
 test_pipeline.py and test_shard_modes.py."""
 
 import functools
-import json
 
 import pytest
 
-from helpers import REPO, assert_bad_input
+from helpers import assert_bad_input, committed_golden
 from sharding_dump import cli, models, state
-from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump.case import Case, load_matrix
 from sharding_dump.dump import dump_case, setup_case
 from sharding_dump.errors import BadInput
 from sharding_dump.mesh import plan_mesh
@@ -86,7 +85,7 @@ def test_card_rules_apply_on_the_base_rules_only():
     assert custom.logical_axis_rules == load_rule("pure-fsdp").logical_axis_rules
     case = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
     assert case in load_matrix()  # so its golden is checked against a fresh dump
-    named = json.loads((golden_dir(case, REPO / "golden") / "named_shardings.json").read_text())["tensors"]
+    named = committed_golden(case, "named_shardings.json")["tensors"]
     assert named["params/decoder/decoder_norm/scale"]["partition_spec"] == [None]
 
 

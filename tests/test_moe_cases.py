@@ -1,12 +1,11 @@
 """MoE golden cases: every MoE rule file is covered and bites, layouts divide evenly, and
 `use_ring_of_experts` is recorded without changing any layout."""
 
-import json
 import math
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, committed_golden
 from sharding_dump.case import Case, golden_dir, load_matrix
 from sharding_dump.dump import dump_case
 from sharding_dump.golden import check_or_update
@@ -49,7 +48,7 @@ def test_every_moe_rule_file_has_a_golden_case():
 @pytest.mark.parametrize("case", [c for c in load_matrix() if c.model in MOE_MODELS], ids=lambda c: c.label)
 def test_moe_cases_shard_every_dimension_evenly(case):
     """Indivisible splits compile to padding or fail on hardware; the committed MoE cases have none."""
-    doc = json.loads((golden_dir(case, REPO / "golden") / "named_shardings.json").read_text())
+    doc = committed_golden(case, "named_shardings.json")
     sizes = dict(zip(doc["mesh"]["axis_names"], doc["mesh"]["axis_sizes"]))
     for path, tensor in doc["tensors"].items():
         for dim, entry in zip(tensor["shape"], tensor["partition_spec"]):

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from helpers import REPO, assert_bad_input, run_cli
-from sharding_dump import activations, serialize, state
-from sharding_dump.case import Case, golden_dir, load_matrix
+from helpers import REPO, assert_bad_input, committed_golden, run_cli
+from sharding_dump import activations, state
+from sharding_dump.case import Case, load_matrix
 from sharding_dump.dump import setup_case, trace_case
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
@@ -27,13 +27,6 @@ def test_matrix_has_the_pipeline_cases():
                for c in PIPELINE_CASES)
 
 
-def golden_documents(case) -> dict:
-    """The case's committed state documents: the golden tests check they equal a fresh dump, so the
-    layout tests read them rather than trace the case again."""
-    return {name: serialize.read_document(golden_dir(case, REPO / "golden") / name)
-            for name in ("named_shardings.json", "logical_shardings.json")}
-
-
 def test_matrix_covers_every_stage_layout():
     layouts = {(p.layers_per_stage > 1, p.scan_layers_per_stage)
                for p in (SETUPS[c.label].config.pipeline for c in PIPELINE_CASES)}
@@ -45,8 +38,7 @@ def test_stacked_layer_weights_are_laid_out_as_maxtext(case):
     """[R,] N leading dims named ([circular_repeats,] layers), stage on `stage`; a stage of one layer
     has no layer axis of its own, K unscanned layers are `layers_<k>`, K scanned ones share one
     weight with `layers_per_stage` (size K) at position 1 of the layer's own axes."""
-    docs = golden_documents(case)
-    named, logical = docs["named_shardings.json"]["tensors"], docs["logical_shardings.json"]["tensors"]
+    named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
     stacked = [path for path in named if "/stages/" in path]
     assert len(stacked) >= 3 * 9  # params, mu and nu of every stacked weight
     pp = SETUPS[case.label].config.pipeline
@@ -75,8 +67,7 @@ def test_layers_outside_the_pipeline_are_not_on_stage():
         setup = SETUPS[case.label]
         if setup.config.pipeline.num_layers == setup.config.pipelined_stack_layers:
             continue
-        docs = golden_documents(case)
-        named, logical = docs["named_shardings.json"]["tensors"], docs["logical_shardings.json"]["tensors"]
+        named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
         outside = [p for p in named if p.startswith("params/") and "_outside_pipeline/" in p]
         want = "moe_layers" if setup.config.first_num_dense_layers else "layers_outside_pipeline"
         assert outside
@@ -105,7 +96,7 @@ def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
     }
     if pp.uses_circular_storage:
         buffers["pipeline_circular_storage"] = (pp.num_stages, pp.num_microbatches) + micro
-    dumped = serialize.read_document(golden_dir(case, REPO / "golden") / "activation_shardings.json")["tensors"]
+    dumped = committed_golden(case, "activation_shardings.json")["tensors"]
     for name, shape in buffers.items():
         entries = [e for e in dumped.values() if e["name"] == name and e["pass"] == "forward"]
         assert entries, f"{name} is not in the activation dump"
@@ -145,7 +136,7 @@ def test_pipelined_run_puts_stage_first_in_the_logits_batch():
     case = next(c for c in PIPELINE_CASES if c.rule == "default")
     rules = dict(SETUPS[case.label].rule_set.logical_axis_rules)
     assert rules["activation_embed_and_logits_batch"] == ("stage", "data", "fsdp", "fsdp_transpose", "expert")
-    acts = serialize.read_document(golden_dir(case, REPO / "golden") / "activation_shardings.json")["tensors"]
+    acts = committed_golden(case, "activation_shardings.json")["tensors"]
     assert acts["forward/decoder/logits"]["partition_spec"][0][0] == "stage"
     assert acts["forward/inputs"]["partition_spec"][0][0] == "stage"
 
@@ -154,8 +145,7 @@ def test_deepseek_dense_layers_split_over_stage_as_data():
     """Under a pipeline MaxText runs DeepSeek's dense layers (and the MoE layers left out) with
     logical_axis_rules_pp_act_as_dp: their activation batch goes over stage, just before data."""
     case = next(c for c in PIPELINE_CASES if c.model == "deepseek2-16b" and "pipeline_parallel_layers" in dict(c.overrides))
-    # the golden: the golden tests check it equals the dump
-    acts = serialize.read_document(golden_dir(case, REPO / "golden") / "activation_shardings.json")["tensors"]
+    acts = committed_golden(case, "activation_shardings.json")["tensors"]
     for key in ("forward/decoder/dense_layers/inputs", "forward/decoder/moe_layers_outside_pipeline/inputs"):
         assert acts[key]["partition_spec"][0][:2] == ["stage", "data"], (key, acts[key]["partition_spec"])
     piped = acts["forward/decoder/moe_layers/stages/inputs"]["partition_spec"]

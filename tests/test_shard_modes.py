@@ -5,9 +5,9 @@ import json
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, assert_bad_input
+from helpers import assert_bad_input, committed_golden
 from sharding_dump import state
-from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump.case import Case, load_matrix
 from sharding_dump.dump import render_case, setup_case
 from sharding_dump.errors import BadInput
 from sharding_dump.serialize import check_document
@@ -54,7 +54,7 @@ def test_explicit_mode_gives_the_auto_layout(case):
     The auto layout is the case's golden (the golden tests check it equals the auto dump), so only the
     explicit mode is traced here."""
     explicit = {name: json.loads(data) for name, data in render_case(with_overrides(case, shard_mode="explicit")).items()}
-    auto = {name: json.loads((golden_dir(case, REPO / "golden") / name).read_text()) for name in explicit}
+    auto = {name: committed_golden(case, name) for name in explicit}
     for name in auto:
         assert explicit[name]["mesh"]["shard_mode"] == "explicit" and auto[name]["mesh"]["shard_mode"] == "auto"
         assert explicit[name]["tensors"] == auto[name]["tensors"], name
@@ -66,15 +66,14 @@ def test_explicit_golden_equals_its_auto_twin(case):
                      {k: v for k, v in case.overrides if k != "shard_mode"})
     assert twin in MATRIX
     for name in ("named_shardings.json", "logical_shardings.json"):
-        explicit, auto = (json.loads((golden_dir(c, REPO / "golden") / name).read_text()) for c in (case, twin))
+        explicit, auto = (committed_golden(c, name) for c in (case, twin))
         assert explicit["mesh"]["shard_mode"] == "explicit" and auto["mesh"]["shard_mode"] == "auto"
         assert explicit["tensors"] == auto["tensors"], name
 
 
 @pytest.mark.parametrize("case", ZERO1_CASES, ids=lambda c: c.label)
 def test_zero1_moments_on_data_params_not(case):
-    # the golden: the golden tests check it equals the dump
-    tensors = json.loads((golden_dir(case, REPO / "golden") / "named_shardings.json").read_text())["tensors"]
+    tensors = committed_golden(case, "named_shardings.json")["tensors"]
     moments = [p for p in tensors if state.is_moment(p)]
     params = [p for p in tensors if p.startswith("params/")]
     assert len(moments) == 2 * len(params) > 0
@@ -118,7 +117,7 @@ def test_bad_shard_settings_are_one_line(tmp_path, capsys, args, message):
 
 
 def test_header_schema_knows_the_modes():
-    doc = json.loads((golden_dir(MATRIX[0], REPO / "golden") / "named_shardings.json").read_text())
+    doc = committed_golden(MATRIX[0], "named_shardings.json")
     doc["mesh"]["shard_mode"] = "implicit"
     with pytest.raises(BadInput, match="field mesh/shard_mode"):
         check_document(doc, "doc")
