@@ -4,17 +4,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 from helpers import REPO
 from sharding_dump.core import capture as activations
-from sharding_dump.zoo import rules
 from sharding_dump.core.capture import constrain
-from sharding_dump.zoo.case import Case
 from sharding_dump.core.step import BATCH_FIELDS
-from sharding_dump.zoo.dump import abstract_state_of, render_case, setup_case, trace_case
 from sharding_dump.errors import BadInput
-from sharding_dump.golden.engine import check_or_update
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import (
+    abstract_state_of,
+    render_case,
+    setup_case,
+    trace_case,
+)
+from sharding_dump.zoo.goldens import check_or_update
 
 
 def trace(case: Case):

@@ -3,9 +3,9 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from sharding_dump.errors import BadInput
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.batch import plan_batch
-from sharding_dump.errors import BadInput
 from sharding_dump.zoo.mesh import plan_mesh
 from sharding_dump.zoo.settings import parse_overrides, resolve
 from sharding_dump.zoo.topology import load_topology

@@ -124,8 +124,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
 def test_reference_activations_appear_in_our_activation_golden(case):
     """Every reference input_shardings.json entry with known logical axes appears in our activation
     dump with the same shape, dtype, logical axes and (size-1 mesh axes dropped) partition spec."""
-    from sharding_dump.zoo import reference
     from sharding_dump.golden import codec
+    from sharding_dump.zoo import reference
 
     expected = reference.load_reference(reference_root() / case / "input_shardings.json")
     ours = codec.read_document(our_folder(case) / "activation_shardings.json")

@@ -10,10 +10,10 @@ import pytest
 from helpers import assert_bad_input, committed_golden
 from sharding_dump import models
 from sharding_dump.commands import cli
+from sharding_dump.errors import BadInput
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import dump_case, setup_case
-from sharding_dump.errors import BadInput
 from sharding_dump.zoo.mesh import plan_mesh
 from sharding_dump.zoo.rules import load_rule
 from sharding_dump.zoo.settings import parse_overrides, resolve

@@ -23,11 +23,10 @@ from typing import Callable
 import pytest
 
 from sharding_dump.commands import cli
-from sharding_dump.zoo import settings
-from sharding_dump.zoo import topology
-from sharding_dump.zoo.case import MAX_NAME_CHARS
 from sharding_dump.models import config as card_config
-from sharding_dump.resources import DATA_DIR, MODELS_DIR
+from sharding_dump.resources import MODELS_DIR
+from sharding_dump.zoo import settings, topology
+from sharding_dump.zoo.case import MAX_NAME_CHARS
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "qwen3-0.6b", "--topology", "cpu-1", "--rule", "default", "max_target_length=16",

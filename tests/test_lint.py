@@ -6,9 +6,9 @@ import pytest
 
 from helpers import REPO
 from sharding_dump.commands import check
+from sharding_dump.commands.cli import main
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case, load_matrix
-from sharding_dump.commands.cli import main
 from sharding_dump.zoo.dump import case_layouts
 
 DEFAULT = REPO / "sharding_dump/rules/default.yml"

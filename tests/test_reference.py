@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from helpers import REPO
-from sharding_dump.zoo import reference
-from sharding_dump.golden import codec
 from sharding_dump.errors import BadInput
+from sharding_dump.golden import codec
+from sharding_dump.zoo import reference
 
 CASE = "llama2-7b/tpu7x-2048/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_tensor_parallelism=8"
 BLE = "('activation_batch', 'activation_norm_length', 'activation_embed')"

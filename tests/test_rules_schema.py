@@ -5,9 +5,9 @@ import json
 import pytest
 
 from helpers import REPO
-from sharding_dump.zoo import rules
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import SCHEMAS_DIR, schema_validator
+from sharding_dump.zoo import rules
 from sharding_dump.zoo.settings import format_value, parse_overrides
 
 REPO_GOLDEN = REPO / "golden"

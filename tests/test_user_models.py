@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input

@@ -20,10 +20,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sharding_dump.zoo import reference
-from sharding_dump.golden import codec
-from sharding_dump.zoo.dump import ACTIVATIONS_FILE  # noqa: E402
+from sharding_dump.core.format import ACTIVATIONS_FILE  # noqa: E402
 from sharding_dump.errors import BadInput  # noqa: E402
+from sharding_dump.golden import codec
+from sharding_dump.zoo import reference
 
 
 def main(argv: list[str] | None = None) -> int:

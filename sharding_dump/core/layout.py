@@ -89,7 +89,8 @@ def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules_of(rules))
 
 
-def _is_box(x: Any) -> bool:
+def is_box(x: Any) -> bool:
+    """A leaf boxed with its logical axes (flax `Partitioned`), as the abstract state holds parameters."""
     return isinstance(x, nn.Partitioned)
 
 
@@ -110,8 +111,8 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
     """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
     no logical axes: all None)."""
     out = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box):
-        if _is_box(leaf):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
+        if is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
             array, logical = leaf, (None,) * len(leaf.shape)
@@ -121,7 +122,7 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
 
 def unbox(state: Any) -> Any:
     """The state with every `Partitioned` box replaced by its value (no constraint applied)."""
-    return jax.tree.map(lambda x: x.value if _is_box(x) else x, state, is_leaf=_is_box)
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, state, is_leaf=is_box)
 
 
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,

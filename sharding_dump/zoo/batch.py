@@ -28,9 +28,9 @@ from typing import Any, Mapping
 
 from jax.sharding import PartitionSpec
 
-from sharding_dump.zoo import rules
-from sharding_dump.golden import codec
+from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
+from sharding_dump.zoo import rules
 from sharding_dump.zoo.mesh import MeshPlan
 
 
@@ -54,7 +54,7 @@ class BatchPlan:
             "per_device_batch_size": self.per_device_batch_size,
             "global_batch_size": self.global_batch_size,
             "max_target_length": self.max_target_length,
-            "data_pipeline_spec": codec.spec_to_json(self.pipeline_spec, 2),
+            "data_pipeline_spec": specs.spec_to_json(self.pipeline_spec, 2),
         }
 
 

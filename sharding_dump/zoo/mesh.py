@@ -27,7 +27,9 @@ import re
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax._src import mesh_utils  # the builder MaxText's create_device_mesh calls; pinned jax version
+from jax._src import (
+    mesh_utils,  # the builder MaxText's create_device_mesh calls; pinned jax version
+)
 from jax.sharding import AbstractMesh, AxisType
 
 from sharding_dump.errors import BadInput

@@ -26,9 +26,9 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sharding_dump.golden import codec
 from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
+from sharding_dump.golden import codec
 
 REFERENCE_FILE = "input_shardings.json"
 # `name: dtype[4,2048]`; in explicit mode a dimension carries its mesh axes too (`6@fsdp`).

@@ -22,11 +22,12 @@ import flax.linen as nn
 from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
 from jax.sharding import PartitionSpec
 
-from sharding_dump.zoo import settings as settings_mod
+from sharding_dump.core.format import NAMED_FILE
 from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
 from sharding_dump.core.specs import rule_axes
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
+from sharding_dump.zoo import settings as settings_mod
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -203,7 +204,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
     A rule file written for other logical names dumps everything replicated without an error."""
-    named = docs["named_shardings.json"]
+    named = docs[NAMED_FILE]
     sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
     warnings = []

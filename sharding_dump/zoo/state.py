@@ -30,12 +30,23 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models
-from sharding_dump.zoo import rules
 from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
-    TensorLayout, indivisible, leaves, path_text, per_device_totals, tensor_layouts as core_tensor_layouts)
-from sharding_dump.core.layout import _is_box
-from sharding_dump.core.state import abstract_train_state, as_model, default_optimizer, parameter_count  # noqa: F401
+    TensorLayout,
+    indivisible,
+    is_box,
+    leaves,
+    path_text,
+    per_device_totals,
+)
+from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
+from sharding_dump.core.state import (  # noqa: F401
+    abstract_train_state,
+    as_model,
+    default_optimizer,
+    parameter_count,
+)
 from sharding_dump.errors import BadInput
+from sharding_dump.zoo import rules
 from sharding_dump.zoo.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
@@ -111,7 +122,7 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
         return box.replace_boxed(jax.sharding.reshard(box.value, NamedSharding(mesh, spec)))
 
     def moment_over_data(key_path: Any, leaf: Any) -> Any:
-        if not (_is_box(leaf) and is_moment(path_text(key_path))):
+        if not (is_box(leaf) and is_moment(path_text(key_path))):
             return leaf
         value = leaf.value
         spec = over_data(jax.typeof(value).sharding.spec, value.shape, plan.sizes)
@@ -119,10 +130,10 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
 
     def init(key: jax.Array) -> dict[str, Any]:
         tokens = jnp.zeros(INIT_SHAPE, jnp.int32)
-        params = jax.tree.map(place, model.init(key, tokens, tokens)["params"], is_leaf=_is_box)
+        params = jax.tree.map(place, model.init(key, tokens, tokens)["params"], is_leaf=is_box)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
         if optimizer_over_data:
-            state = jax.tree_util.tree_map_with_path(moment_over_data, state, is_leaf=_is_box)
+            state = jax.tree_util.tree_map_with_path(moment_over_data, state, is_leaf=is_box)
         return state
 
     key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it

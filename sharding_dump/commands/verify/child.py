@@ -53,10 +53,10 @@ def _spec(items: list[Any]) -> Any:
 
 
 def _spec_json(sharding: Any, ndim: int) -> Any:
-    from sharding_dump.golden import codec
+    from sharding_dump.core import specs
 
     spec = getattr(sharding, "spec", None)
-    return codec.spec_to_json(spec, ndim) if spec is not None else str(sharding)
+    return specs.spec_to_json(spec, ndim) if spec is not None else str(sharding)
 
 
 def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: Any) -> list[list[Any]]:
@@ -65,7 +65,7 @@ def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: 
     import jax
     from jax.sharding import NamedSharding
 
-    from sharding_dump.commands.verify import leaf_path
+    from sharding_dump.commands.verify.step import leaf_path
 
     if golden is None:
         return []
@@ -93,15 +93,16 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from sharding_dump.commands import verify
+    from sharding_dump.commands.verify import hlo as hlo_text
+    from sharding_dump.commands.verify.step import build_step, leaf_path
     from sharding_dump.zoo.case import Case
 
     c = request["case"]
     case = Case.make(c["model"], c["topology"], c["rule"], c["num_slices"], c["overrides"])
-    parts = verify._build_step(case)
+    parts = build_step(case)
     mesh = _mesh(parts, request["tpu_topology"] if request["tpu"] else None, case.num_slices)
     state_shardings = jax.tree_util.tree_map_with_path(
-        lambda key, _: NamedSharding(mesh, parts.state_specs[verify.leaf_path(key)]), parts.state)
+        lambda key, _: NamedSharding(mesh, parts.state_specs[leaf_path(key)]), parts.state)
     batch_shardings = {name: NamedSharding(mesh, parts.batch_spec) for name in parts.batch}
     answer: dict[str, Any] = {"jax_version": jax.__version__}
     with tempfile.TemporaryDirectory(prefix="verify-dump-") as dump_dir:
@@ -120,13 +121,13 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             memory = compiled.memory_analysis()
             answer["memory"] = {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
                                 "alias": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes}
-            hlo = compiled.as_text()
-            traffic = verify.collectives(hlo)
-            answer["replicated"] = [vars(v) for v in verify.gathered_values(hlo, request["threshold"], parts.stacks)]
+            program = compiled.as_text()
+            traffic = hlo_text.collectives(program)
+            answer["replicated"] = [vars(v) for v in hlo_text.gathered_values(program, request["threshold"], parts.stacks)]
             answer["collectives"] = {k: {"count": t.count, "bytes": t.bytes} for k, t in traffic.items()}
             answer["mismatches"] = _mismatches(compiled, parts.state, request["golden"], mesh)
         if propagated:
-            values = verify.replicated_values(propagated[-1].read_text(encoding="utf-8"), request["threshold"])
+            values = hlo_text.replicated_values(propagated[-1].read_text(encoding="utf-8"), request["threshold"])
             answer["replicated"] = [vars(v) for v in values] + answer.get("replicated", [])
         elif compiled is not None:
             answer["compile_error"] = "no module after sharding propagation was dumped; cannot check replicated values"
