@@ -1,6 +1,7 @@
 """The `sharding-dump` command.
 
     sharding-dump --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...] [--golden-dir DIR]
+    sharding-dump --maxtext-config RUN.yml [--topology T] [--num-slices N] [MAXTEXT_KEY=VALUE ...]
     sharding-dump --all [--cases FILE ...] [--golden-dir DIR]
     sharding-dump list models|topologies|rules|settings
     sharding-dump diff OLD NEW [--format text|markdown|json] [--max-chars N]
@@ -12,7 +13,8 @@
 The golden folder, the case files and extra rule and card folders come from `[tool.sharding-dump]` in
 the nearest pyproject.toml (sharding_dump/project.py); --golden-dir and --cases override it.
 
-CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
+CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump, or a MaxText
+run configuration: --maxtext-config RUN.yml [--topology T] [KEY=VALUE ...] (sharding_dump/maxtext_config.py).
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
 or `check` a finding, 2 on bad input (one line on stderr, nothing written).
 """
@@ -81,7 +83,12 @@ def _add_case_options(parser: argparse.ArgumentParser, all_help: str | None) -> 
     parser.add_argument("--model", help="model card name (sharding-dump list models) or path to a card .yml")
     parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
     parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
-    parser.add_argument("--num-slices", type=_whole_number, default=1, help="number of slices (DCN), default 1")
+    parser.add_argument("--num-slices", type=_whole_number, help="number of slices (DCN), default 1")
+    parser.add_argument("--maxtext-config", metavar="RUN.yml",
+                        help="a MaxText run configuration (its base_config chain, the model config model_name "
+                             "names, then MaxText KEY=VALUE), instead of --model and --rule: model_name names the "
+                             "card, custom_mesh_and_rule the rule, compile_topology the topology; every key is "
+                             "honoured, ignored as layout-neutral or refused (data/maxtext_keys.yml)")
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
         parser.add_argument("--cases", action="append", metavar="FILE",
@@ -129,9 +136,13 @@ def _cases(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
     from sharding_dump.dump import setup_case
 
     if getattr(args, "all", False):
-        if args.model or args.topology or args.rule or args.settings or args.num_slices != 1:
-            raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/KEY=VALUE")
+        if args.model or args.topology or args.rule or args.settings or args.num_slices is not None \
+                or args.maxtext_config:
+            raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/"
+                           f"--maxtext-config/KEY=VALUE")
         cases = project.load_cases()
+    elif args.maxtext_config:
+        cases = [_maxtext_case(args, verb, project)]
     else:
         missing = [flag for flag, value in (("--model", args.model), ("--topology", args.topology),
                                             ("--rule", args.rule)) if not value]
@@ -141,10 +152,27 @@ def _cases(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
         overrides = settings.parse_assignments(args.settings)
         cases = [case_mod.Case.make(project.resolve("model", args.model), args.topology,
-                                    project.resolve("rule", args.rule), args.num_slices, overrides)]
+                                    project.resolve("rule", args.rule),
+                                    1 if args.num_slices is None else args.num_slices, overrides)]
     for case in cases:
         setup_case(case)
     return cases
+
+
+def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:
+    """The case of --maxtext-config (KEY=VALUE are MaxText keys); verify says which layout-neutral keys
+    it compiles otherwise than the configuration asks."""
+    from sharding_dump import maxtext_config
+
+    if args.model or args.rule or getattr(args, "cases", None):
+        raise BadInput("--maxtext-config names the model (model_name) and the rule (custom_mesh_and_rule): "
+                       "drop --model/--rule/--cases")
+    read = maxtext_config.read_case(args.maxtext_config, args.settings, args.topology, args.num_slices,
+                                    project.resolve)
+    if verb == "verifies":
+        for note in read.compiled_notes:
+            print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
+    return read.case
 
 
 def _progress(index: int, count: int, line: str, started: float) -> None:
