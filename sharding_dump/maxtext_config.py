@@ -49,6 +49,7 @@ COMMAND_LINE = "the command line"
 ENV_PREFIX = "M_"  # MaxText's environment override of a key: M_<KEY upper-cased>
 DEFAULT_RULE = "default"  # MaxText's base rules (an empty custom_mesh_and_rule)
 INSTRUCT = "-Instruct"  # MaxText builds `<model>-Instruct` from `<model>`'s config
+MAX_CHAIN = 32  # base_config files one configuration may chain through
 # OmegaConf, which MaxText reads YAML with, also takes exponents without a dot or a signed exponent
 # (1e-5, 1.0e5) as floats, where plain YAML 1.1 reads strings.
 _OMEGACONF_FLOAT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+")
@@ -205,6 +206,8 @@ def _load_chain(path: Path, configs_dir: Path | None, origins: dict[str, str], s
     if path.resolve() in seen:
         raise BadInput(f"MaxText config {path}: base_config chain loops back to it "
                        f"({' -> '.join(_display(p) for p in (*seen, path.resolve()))})")
+    if len(seen) >= MAX_CHAIN:
+        raise BadInput(f"MaxText config {path}: more than {MAX_CHAIN} files chained by base_config")
     data = _read(path, "MaxText config")
     merged: dict[str, Any] = {}
     base = data.get(BASE_CONFIG)
@@ -542,6 +545,8 @@ def _topology(composed: Composed, topology: str | None, num_slices: int | None) 
     """--topology / --num-slices, or MaxText's compile_topology / compile_topology_num_slices (num_slices)."""
     values = composed.values
     compiled = values.get("compile_topology") or None
+    if compiled is not None and not isinstance(compiled, str):
+        raise BadInput(f"{composed.where('compile_topology')}: {shown(compiled)} is not a topology name (e.g. v5p-16)")
     if topology and compiled and topology != compiled:
         raise BadInput(f"--topology {topology}: {composed.where('compile_topology')} is {shown(compiled)}; "
                        f"give one or the same")

@@ -300,6 +300,8 @@ def test_base_config_next_to_the_file_comes_before_maxtexts(tmp_path):
     ("base_config: base.yml\nmodel_name: llama2-7b\n", r"missing --topology \(or compile_topology in the MaxText config\)"),
     ("base_config: base.yml\n", "model_name: 'default': MaxText's base model has no card"),
     ("base_config: base.yml\nmodel_name: gemma3-4b\n", "model_name: unknown model 'gemma3-4b'"),
+    ("base_config: base.yml\nmodel_name: llama2-7b\ncompile_topology: 16\n", "compile_topology: 16 is not a topology name"),
+    ("base_config: base.yml\nmodel_name: llama2-7b\ncompile_topology: v9x-16\n", "unknown topology 'v9x-16'"),
 ])
 def test_bad_configuration_is_one_line(tmp_path, text, message):
     with pytest.raises(BadInput, match=message):
@@ -329,3 +331,11 @@ def test_case_file_entry_with_a_maxtext_config(tmp_path):
     cases.write_text(f"cases:\n  - {{maxtext_config: {RUN}, model: llama2-7b}}\n")
     with pytest.raises(BadInput, match=r"field cases/0: maxtext_config names the model \(model_name\) and the rule"):
         load_matrix(cases)
+
+
+def test_base_config_chain_is_bounded(tmp_path):
+    for index in range(maxtext_config.MAX_CHAIN + 1):
+        (tmp_path / f"c{index}.yml").write_text(f"base_config: c{index + 1}.yml\n")
+    (tmp_path / f"c{maxtext_config.MAX_CHAIN + 1}.yml").write_text("model_name: llama2-7b\n")
+    with pytest.raises(BadInput, match=f"more than {maxtext_config.MAX_CHAIN} files chained by base_config"):
+        maxtext_config.compose(tmp_path / "c0.yml")
