@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from helpers import REPO, tree_bytes
-from sharding_dump import cli, maxtext_config, models, settings
-from sharding_dump.case import Case, golden_dir, load_matrix
+from sharding_dump import models
+from sharding_dump.commands import cli
+from sharding_dump.zoo import maxtext_config, settings
+from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 from sharding_dump.errors import BadInput
 from sharding_dump.models import config as config_module
 from sharding_dump.models.config import ModelConfig, load_card

@@ -20,9 +20,11 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from sharding_dump import rules, settings, topology
+from sharding_dump.zoo import rules
+from sharding_dump.zoo import settings
+from sharding_dump.zoo import topology
 from sharding_dump.errors import BadInput
-from sharding_dump.model_ref import ModelRef, parse_model_ref
+from sharding_dump.zoo.model_ref import ModelRef, parse_model_ref
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 
 CASES_FILE = DATA_DIR / "cases.yml"
@@ -116,8 +118,8 @@ def golden_dir(case: Case, root: str | Path) -> Path:
 
 def _maxtext_entry(entry: Mapping[str, Any], path: Path, resolve: Callable[[str, str], str] | None) -> Case:
     """A case file's `maxtext_config` entry: the MaxText run configuration (relative to the case file)
-    with the entry's overrides as its command line (sharding_dump/maxtext_config.py)."""
-    from sharding_dump.maxtext_config import read_case
+    with the entry's overrides as its command line (sharding_dump/zoo/maxtext_config.py)."""
+    from sharding_dump.zoo.maxtext_config import read_case
 
     if "model" in entry or "rule" in entry:
         raise BadInput("maxtext_config names the model (model_name) and the rule (custom_mesh_and_rule): "

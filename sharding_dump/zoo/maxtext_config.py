@@ -39,9 +39,9 @@ from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, load_yaml, parse_yaml, validate
 
 if TYPE_CHECKING:  # imported when a case is made: composing a configuration needs neither jax nor flax
-    from sharding_dump.case import Case
     from sharding_dump.models.config import ModelConfig
-    from sharding_dump.rules import RuleSet
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.rules import RuleSet
 
 KEYS_FILE = DATA_DIR / "maxtext_keys.yml"
 BASE_CONFIG = "base_config"
@@ -164,7 +164,7 @@ def maxtext_configs_dir(environ: Mapping[str, str] | None = None) -> Path | None
 
 
 def _display(path: Path) -> str:
-    from sharding_dump.golden import display
+    from sharding_dump.golden.engine import display
 
     return display(path)
 
@@ -374,7 +374,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def _text(value: Any) -> str:
-    from sharding_dump.settings import format_value
+    from sharding_dump.zoo.settings import format_value
 
     value = _norm(value)
     if isinstance(value, list):
@@ -526,7 +526,7 @@ def _settings(composed: Composed, table: KeyTable) -> dict[str, Any]:
     """The case's overrides: the honoured settings whose value differs from the zoo's default, and those
     given on the command line or by the environment (MaxText's explicit keys, which its own sharding
     dumps name their folders by) even at the default."""
-    from sharding_dump import settings
+    from sharding_dump.zoo import settings
 
     out = {}
     for key in (k for k, kind in table.kind.items() if kind == "settings"):
@@ -577,8 +577,9 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
             resolve: Resolve | None = None, environ: Mapping[str, str] | None = None) -> MaxTextCase:
     """The case of a composed configuration, every key checked (BadInput on the first refused one).
     `resolve(field, name)` maps model and rule names (a project's card and rule folders)."""
-    from sharding_dump import models, rules
-    from sharding_dump.case import Case
+    from sharding_dump import models
+    from sharding_dump.zoo import rules
+    from sharding_dump.zoo.case import Case
 
     resolve = resolve or (lambda field, ref: ref)
     table = key_table()
