@@ -31,7 +31,6 @@ from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_li
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-DEFAULT_INPUT_AXES = ("activation_embed_and_logits_batch", "activation_norm_length")
 BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
 
 
@@ -44,7 +43,7 @@ class RuleSet:
     mesh_axes: tuple[str, ...]
     data_sharding: tuple[str, ...]
     context_sharding: str | None
-    input_data_sharding_logical_axes: tuple[str, ...]
+    input_data_sharding_logical_axes: tuple[str, ...]  # () when the file has none: the batch follows data_sharding
     logical_axis_rules: Rules
     mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
     # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
@@ -132,8 +131,7 @@ def load_rule(ref: str) -> RuleSet:
         mesh_axes=mesh_axes,
         data_sharding=data_sharding,
         context_sharding=context,
-        input_data_sharding_logical_axes=tuple(
-            data.get("input_data_sharding_logical_axes", DEFAULT_INPUT_AXES)),
+        input_data_sharding_logical_axes=tuple(data.get("input_data_sharding_logical_axes", ())),
         logical_axis_rules=rules,
         mesh_rules=tuple(mesh_rules),
         origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
