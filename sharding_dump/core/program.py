@@ -116,6 +116,8 @@ def describe(value: Any) -> str:
         return f"{getattr(value.dtype, 'name', value.dtype)}[{','.join(map(str, value.shape))}]"
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + "}"
+    if type(value).__name__ == "Rngs":
+        return f"Rngs({', '.join(str(name) for name in vars(value) if not str(name).startswith('_'))})"
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(describe(v) for v in value) + ")"
     return shown(value, 40)
@@ -128,13 +130,15 @@ def call_text(name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | N
 
 
 def signature_text(fn: Any) -> str:
-    """`Transformer.__call__(self, last_tokens, positions, cache, attention_mask, rngs=None)`."""
-    target = fn if not isinstance(fn, nn.Module) else type(fn).__call__
+    """`Transformer.__call__(self, last_tokens, positions, cache, attention_mask, rngs=None)` (no annotations)."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     name = getattr(target, "__qualname__", type(target).__name__)
     try:
-        return f"{name}{inspect.signature(target)}"
+        params = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):
         return name
+    shown = [p.replace(annotation=inspect.Parameter.empty) for p in params]
+    return f"{name}({', '.join(str(p) for p in shown)})"
 
 
 def _first_line(err: BaseException) -> str:
@@ -226,8 +230,9 @@ class ModelProgram:
     def _expects(self, module: Any) -> str:
         if self.call is not None:
             return f"the call hook {_name(self.call)}(model, batch, rngs) returns the model's output"
-        return (f"the model's call is {signature_text(module)}; declare further arguments with "
-                "ModelProgram(inputs=..., kwargs=...) or give call=")
+        return (f"the model's call is {signature_text(module)}; the harness passes the tokens, the positions "
+                "under a keyword the call takes, the RNG streams of ModelProgram(rngs=...) and what "
+                "ModelProgram(inputs=..., kwargs=...) declares, or calls ModelProgram(call=...)")
 
     def _guarded_call(self, module: Any) -> Call:
         keyword = self.position_keyword(module)
@@ -236,7 +241,7 @@ class ModelProgram:
 
         def call(bound: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
             if self.call is not None:
-                with user_code(f"the call hook {_name(self.call)}", call_text("call", ["model", batch, rngs]),
+                with user_code(f"the call hook {_name(self.call)}", f"call(model, {describe(batch)}, {describe(rngs)})",
                                self._expects(module)):
                     return self.call(bound, batch, rngs)
             kwargs: dict[str, Any] = {}
