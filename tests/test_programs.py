@@ -318,9 +318,11 @@ def test_program_failures_are_one_line(tmp_path, capsys, monkeypatch, factory, m
 
 
 def test_verify_compiles_a_train_program(tmp_path, monkeypatch, capsys):
-    """lm1b's own step, compiled on 8 fake devices with the golden's state shardings: they match."""
-    dump(tmp_path, monkeypatch, "examples.lm1b:small_lm1b_train", LM1B_ARGS)
-    status = cli.main(["verify", "--model", "examples.lm1b:small_lm1b_train", *LM1B_ARGS, "--golden-dir", str(tmp_path)])
+    """lm1b's own step, compiled on 4 fake devices with the golden's state shardings: they match."""
+    args = ["--topology", "cpu-4", "--rule", "examples/lm1b_rules.yml", "ici_fsdp_parallelism=2",
+            "ici_tensor_parallelism=2", "per_device_batch_size=1", "max_target_length=16"]
+    dump(tmp_path, monkeypatch, "examples.lm1b:small_lm1b_train", args)
+    status = cli.main(["verify", "--model", "examples.lm1b:small_lm1b_train", *args, "--golden-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "1 case verified, 0 failed" in out and "all-reduce" in out
