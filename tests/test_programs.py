@@ -326,3 +326,15 @@ def test_verify_compiles_a_train_program(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert "1 case verified, 0 failed" in out and "all-reduce" in out
+
+
+def test_explicit_placement_follows_each_flavour_of_flax():
+    """On an Explicit mesh an NNX variable is placed by NNX's rule application (a name without a rule
+    is a mesh axis, as flax's Gemma relies on), a linen box by flax's logical resolver (no rule: whole)."""
+    from examples import linen_lm, nnx_gemma
+
+    gemma = nnx_gemma.small_gemma().model_of()
+    linen = sd.as_model(linen_lm.small_lm())
+    assert gemma.placement(("tensor", "fsdp"), [("batch", "fsdp")]) == P("tensor", "fsdp")
+    assert gemma.placement(("vocab", "embed"), [("vocab", "tensor"), ("embed", "fsdp")]) == P("tensor", "fsdp")
+    assert linen.placement(("tensor", "fsdp"), [("batch", "fsdp")]) == P(None, None)
