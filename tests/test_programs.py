@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
-from sharding_dump import cli
+from sharding_dump.commands import cli
 from sharding_dump.core import capture
 
 LM1B_ARGS = ["--topology", "cpu-8", "--rule", "examples/lm1b_rules.yml", "ici_fsdp_parallelism=4",

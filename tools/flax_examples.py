@@ -75,7 +75,7 @@ def gemma():
 
 
 def _dump(factory: str, rule: str, golden: Path, extra: list[str]) -> Path:
-    from sharding_dump import cli
+    from sharding_dump.commands import cli
 
     status = cli.main(["--model", f"flax_examples:{factory}", "--rule", rule, *CASE, *extra, "--golden-dir", str(golden)])
     if status != 0:
