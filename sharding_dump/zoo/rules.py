@@ -206,7 +206,11 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
     warnings = []
     if math.prod(sizes.values()) > 1:
-        used = {axis for entry in tensors for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
+        # What the rules placed: the state, and activations with logical axes (a batch left on the data
+        # pipeline's layout, or a constraint given in mesh axes, is placed without them).
+        ruled = [entry for entry in tensors if any(name is not None for name in entry.get("logical_axes", ()))
+                 or entry.get("pass") is None]
+        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
         if not any(sizes.get(axis, 1) > 1 for axis in used):
             mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
             warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "
