@@ -142,6 +142,18 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     return [leaf_layout(path, array, logical, mesh, rules, transform) for path, array, logical in leaves(state)]
 
 
+def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:
+    """The layout of every leaf of a state traced on an Explicit-axis mesh, read from the sharding
+    each leaf carries in its type (a leaf without one, e.g. a scalar JAX leaves unannotated, is
+    replicated); logical axes from the boxes as :func:`leaves` reads them."""
+    out = []
+    for path, array, logical in leaves(state):
+        sharding = getattr(array, "sharding", None)
+        spec = sharding.spec if sharding is not None else PartitionSpec()
+        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical, spec, dict(sizes)))
+    return out
+
+
 def per_device_totals(layouts: Sequence[TensorLayout]) -> dict[str, int]:
     """Bytes each device holds per top-level group of the state, and their `total`."""
     totals: dict[str, int] = {}

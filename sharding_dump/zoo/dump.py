@@ -20,8 +20,10 @@ from jax.extend.core import ClosedJaxpr
 from sharding_dump import models
 from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
-from sharding_dump.core.state import Model, as_model
-from sharding_dump.core.step import Step, abstract_batch, next_token_step
+from sharding_dump.core.layout import typed_layouts
+from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
+from sharding_dump.core.state import Model, abstract_train_state, as_model, explicit_train_state
+from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.config import card_path
@@ -54,6 +56,16 @@ class CaseSetup:
     def explicit(self) -> bool:
         """shard_mode=explicit: the state is traced on an Explicit-axis mesh."""
         return self.values["shard_mode"] == "explicit"
+
+    @property
+    def step_explicit(self) -> bool:
+        """The training step too runs on the Explicit-axis mesh: a user's program in explicit mode (a
+        model with sharding in types needs it; the zoo's step stays on the Auto mesh)."""
+        return self.explicit and self.config is None
+
+    def step_mesh(self) -> Any:
+        """The abstract mesh the training step is traced on."""
+        return self.plan.abstract_mesh(explicit=self.step_explicit)
 
 
 def setup_case(case: Case) -> CaseSetup:
@@ -88,8 +100,7 @@ def setup_case(case: Case) -> CaseSetup:
 
 
 # Settings that only a built-in model (built from a card) can honour.
-CARD_ONLY_SETTINGS = ("weight_dtype", "shard_mode", "num_pipeline_microbatches", "num_pipeline_repeats",
-                      "pipeline_parallel_layers")
+CARD_ONLY_SETTINGS = ("weight_dtype", "num_pipeline_microbatches", "num_pipeline_repeats", "pipeline_parallel_layers")
 
 
 def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) -> None:
@@ -106,8 +117,9 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    layouts = state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set,
-                                   setup.values["shard_optimizer_over_data"])
+    auto = _abstract_state(setup.config) if setup.config is not None else \
+        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False)
+    layouts = state.tensor_layouts(boxed_view(auto), setup.plan, setup.rule_set, setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
         spec = specs.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
@@ -123,23 +135,45 @@ def _abstract_state(config: models.ModelConfig) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def factory_model(ref: str) -> Model:
-    """The user's model behind a factory reference, built once per process (abstractly)."""
-    return as_model(load_factory(ref))
+def factory_program(ref: str) -> Program:
+    """The user's training program behind a factory reference (a module or module factory is the
+    simplest one), built once per process (abstractly)."""
+    return as_program(load_factory(ref), ref)
 
 
 @functools.lru_cache(maxsize=16)
-def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
-    params = factory_model(ref).abstract_params(plan.abstract_mesh(), rules)
-    return state.abstract_train_state(params, state.optimizer())
+def program_model(ref: str) -> Model:
+    """The model of a factory's ModelProgram as the core drives it, built once per process."""
+    program = factory_program(ref)
+    assert isinstance(program, ModelProgram)
+    return program.model_of()
 
 
-def abstract_state_of(setup: CaseSetup) -> dict[str, Any]:
-    """The boxed abstract training state of the case's model (a card's, or a user factory's, whose
-    init runs under the case's mesh and rules as it would in training)."""
+@functools.lru_cache(maxsize=16)
+def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool) -> Any:
+    program = factory_program(ref)
+    mesh = plan.abstract_mesh(explicit=explicit)
+    if isinstance(program, TrainProgram):
+        from sharding_dump.core.layout import rules_of
+        import flax.linen as nn
+        import jax
+
+        key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
+        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
+            return program.abstract_state(key)
+    model = program_model(ref)
+    if explicit:
+        return explicit_train_state(model, mesh, rules, state.optimizer())
+    return abstract_train_state(model.abstract_params(mesh, rules), state.optimizer())
+
+
+def abstract_state_of(setup: CaseSetup) -> Any:
+    """The abstract training state of the case's model: a card's (boxed), or a user program's, whose
+    init runs under the case's mesh and rules as it would in training (on the Explicit-axis mesh in
+    explicit mode, each leaf then carrying its sharding)."""
     if setup.config is not None:
         return _abstract_state(setup.config)
-    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules)
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit)
 
 
 def header(setup: CaseSetup) -> dict[str, Any]:
@@ -156,9 +190,12 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     rules; explicit mode: read from the state traced on an Explicit-axis mesh)."""
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
-    if setup.explicit:
+    if setup.explicit and setup.config is not None:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data)
-    return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
+    boxed = boxed_view(abstract_state_of(setup))
+    if setup.explicit:
+        return setup, typed_layouts(boxed, setup.plan.sizes)
+    return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
 
 
 def _uneven_params_first(layouts: list[state.TensorLayout]) -> list[tuple[state.TensorLayout, int]]:
@@ -193,22 +230,48 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
 
 
 def case_model(setup: CaseSetup) -> Model:
-    """The case's model as the core drives it: a built-in card's decoder or the user's factory."""
-    if setup.config is not None:
-        return as_model(models.build_model(setup.config))
-    return factory_model(setup.case.model)
+    """The zoo model of a card case as the core drives it."""
+    assert setup.config is not None
+    return as_model(models.build_model(setup.config))
 
 
 def case_step(setup: CaseSetup) -> Step:
-    """One next-token training step of the case's model: batch constrained to the rule's input axes,
-    forward, backward, AdamW update."""
-    return next_token_step(case_model(setup).apply, state.optimizer(), setup.batch.logical_axes)
+    """One training step of the case: a card's or a ModelProgram's next-token step (batch placed on the
+    rule's input axes, else the data pipeline's layout; forward, backward, AdamW update), or a
+    TrainProgram's own step."""
+    axes, spec = setup.batch.logical_axes, None if setup.batch.logical_axes else setup.batch.pipeline_spec
+    if setup.config is not None:
+        return next_token_step(case_model(setup).apply, state.optimizer(), axes, input_spec=spec)
+    program = factory_program(setup.case.model)
+    if isinstance(program, TrainProgram):
+        return program.step(axes, spec)
+    return program.train_step(program_model(setup.case.model), state.optimizer(), axes, spec)
+
+
+def case_batch(setup: CaseSetup) -> dict[str, Any]:
+    """The abstract batch of the case: the token fields, or a program's own; on an Explicit-axis mesh
+    each field carries the data pipeline's layout in its type."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    fields = factory_program(setup.case.model).batch_fields() if setup.config is None else \
+        {name: None for name in BATCH_FIELDS}
+    out = {}
+    for name, field in fields.items():
+        abstract = field.abstract(*setup.batch.shape) if field is not None else \
+            jax.ShapeDtypeStruct(setup.batch.shape, "int32")
+        if setup.step_explicit:
+            spec = (tuple(setup.batch.pipeline_spec) + (None,) * abstract.ndim)[:abstract.ndim]
+            abstract = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype,
+                                            sharding=NamedSharding(setup.step_mesh(), PartitionSpec(*spec)))
+        out[name] = abstract
+    return out
 
 
 def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
     """The jaxpr of one training step of the case's model on its abstract mesh, and its recording."""
-    return trace(case_step(setup), abstract_state_of(setup), abstract_batch(setup.batch.shape),
-                 mesh=setup.plan.abstract_mesh(), rules=setup.rule_set)
+    return trace(case_step(setup), abstract_state_of(setup), case_batch(setup),
+                 mesh=setup.step_mesh(), rules=setup.rule_set)
 
 
 def trace_activations(setup: CaseSetup) -> list[Constraint]:

@@ -3,8 +3,10 @@
 * `llama2-7b`: a model card shipped with the package (or registered by an installed package);
 * `path/to/card.yml` (or `.yaml`): a card file of the user's, named by its `name` field;
 * `package.module:factory`: a zero-argument callable in the user's code returning a Flax linen
-  module or an NNX module (or a factory of one), called as `module(tokens)` (plus `positions=` when
-  its `__call__` takes it) and returning logits `[batch, length, vocab]`.
+  module or an NNX module (or a factory of one), called as `module(tokens)` (plus the positions when
+  its `__call__` takes them) and returning logits `[batch, length, vocab]`; or returning a training
+  program (`sharding_dump.ModelProgram`: the model and how to call it; `sharding_dump.TrainProgram`:
+  the user's own init and step), see :mod:`sharding_dump.core.program`.
 
 A card's golden folder is its card name (lower-case letters, digits, `.` and `-`, by the card schema);
 a factory's is its reference with `:` replaced by `-` (`examples.linen_lm-tiny_lm`): letters,

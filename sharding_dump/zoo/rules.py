@@ -32,7 +32,6 @@ from sharding_dump.zoo import settings as settings_mod
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-DEFAULT_INPUT_AXES = ("activation_embed_and_logits_batch", "activation_norm_length")
 BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
 
 
@@ -45,7 +44,7 @@ class RuleSet:
     mesh_axes: tuple[str, ...]
     data_sharding: tuple[str, ...]
     context_sharding: str | None
-    input_data_sharding_logical_axes: tuple[str, ...]
+    input_data_sharding_logical_axes: tuple[str, ...]  # () when the file has none: the batch follows data_sharding
     logical_axis_rules: Rules
     mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
     # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
@@ -133,8 +132,7 @@ def load_rule(ref: str) -> RuleSet:
         mesh_axes=mesh_axes,
         data_sharding=data_sharding,
         context_sharding=context,
-        input_data_sharding_logical_axes=tuple(
-            data.get("input_data_sharding_logical_axes", DEFAULT_INPUT_AXES)),
+        input_data_sharding_logical_axes=tuple(data.get("input_data_sharding_logical_axes", ())),
         logical_axis_rules=rules,
         mesh_rules=tuple(mesh_rules),
         origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
@@ -209,7 +207,11 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
     warnings = []
     if math.prod(sizes.values()) > 1:
-        used = {axis for entry in tensors for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
+        # What the rules placed: the state, and activations with logical axes (a batch left on the data
+        # pipeline's layout, or a constraint given in mesh axes, is placed without them).
+        ruled = [entry for entry in tensors if any(name is not None for name in entry.get("logical_axes", ()))
+                 or entry.get("pass") is None]
+        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
         if not any(sizes.get(axis, 1) > 1 for axis in used):
             mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
             warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "
