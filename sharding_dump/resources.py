@@ -235,18 +235,34 @@ def _inlined(node: Any, base: str) -> Any:
     return {key: _inlined(value, base) for key, value in node.items() if key not in ("$id", "$schema", "$defs")}
 
 
-# JSON Schema 2020-12 keywords the compiled validator (draft 7) does not know: it would let them pass.
-_NEWER_KEYWORDS = ("prefixItems", "unevaluatedItems", "unevaluatedProperties", "dependentSchemas",
-                   "dependentRequired", "$dynamicRef", "$dynamicAnchor", "minContains", "maxContains")
+# JSON Schema 2020-12 keywords the compiled validator (draft 7) does not know, and would let pass.
+_NEWER_KEYWORDS = ("unevaluatedItems", "unevaluatedProperties", "dependentSchemas", "dependentRequired",
+                   "$dynamicRef", "$dynamicAnchor", "minContains", "maxContains")
+
+
+def _draft7(node: Any) -> Any:
+    """2020-12's tuple form (`prefixItems`, then `items` for the rest) in draft 7's words (`items` as
+    a list, then `additionalItems`), so the compiled validator checks tuples too."""
+    if isinstance(node, list):
+        return [_draft7(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _draft7(value) for key, value in node.items()}
+    if "prefixItems" in node:
+        rest = node.pop("items", None)
+        node["items"] = node.pop("prefixItems")
+        if rest is not None:
+            node["additionalItems"] = rest
+    return node
 
 
 @functools.cache
 def _compiled(name: str) -> Callable[[Any], Any] | None:
-    """The compiled validator of a schema, None for one that needs a 2020-12 keyword."""
+    """The compiled validator of a schema, None for one that needs a 2020-12 keyword it cannot read."""
     import fastjsonschema
 
     schema_id = f"sharding-dump/{name}.schema.json"
-    schema = _inlined(_schemas()[schema_id], schema_id)
+    schema = _draft7(_inlined(_schemas()[schema_id], schema_id))
     if any(f'"{keyword}"' in json.dumps(schema) for keyword in _NEWER_KEYWORDS):
         return None
     return fastjsonschema.compile(schema, use_formats=False)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sharding_dump.core import state as core_state
-from sharding_dump.core.layout import _is_box, unbox
+from sharding_dump.core.layout import is_box, unbox
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_batch
 from sharding_dump.errors import BadInput
 
@@ -425,4 +425,4 @@ def boxed_view(state: Any) -> Any:
         value = leaf.get_value()
         return nn.Partitioned(value, names=tuple(names)) if names else value
 
-    return jax.tree.map(box, state, is_leaf=lambda x: isinstance(x, nnx.Variable) or _is_box(x))
+    return jax.tree.map(box, state, is_leaf=lambda x: isinstance(x, nnx.Variable) or is_box(x))
