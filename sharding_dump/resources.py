@@ -303,10 +303,10 @@ def schema_validator(name: str) -> jsonschema.protocols.Validator:
 
 def validate(instance: Any, schema_name: str, where: str) -> None:
     """Raises BadInput naming `where` and the first failing field when `instance` breaks the schema."""
-    import jsonschema
-
     if is_valid(instance, schema_name):
         return
+    import jsonschema
+
     validator = schema_validator(schema_name)
     error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
     if error is None:
