@@ -94,12 +94,25 @@ def _add_settings_argument(parser: argparse.ArgumentParser) -> None:
                         help="setting overrides, e.g. ici_fsdp_parallelism=-1 (sharding-dump list settings)")
 
 
+# One line per command for `sharding-dump --help` (each command's own --help says the rest).
+SUMMARIES = {
+    "dump": "write one case's golden JSON (or --all: every case); the default command, options below",
+    "list": "list models, topologies, rules or settings",
+    "diff": "compare two case folders or golden trees: tensors changed, added, removed; memory per device",
+    "check": "lint a case: indivisible splits, unknown axes, replicated parameters, memory above HBM",
+    "show": "print one case as a table: path, shape, logical axes, spec, per-device shape and bytes",
+    "verify": "compile a case's training step on fake CPU devices (or --tpu): remats, memory, collectives",
+}
+
+
 def _dump_parser() -> argparse.ArgumentParser:
+    width = max(map(len, SUMMARIES))
     parser = _Parser(
-        prog="sharding-dump",
-        description="Dump the sharding of a model's full training state for one case (or every case of "
-                    "the matrix) as golden JSON. Other commands: `sharding-dump list models|topologies|rules|settings`, "
-                    "`sharding-dump diff|check|show` (each with --help).")
+        prog="sharding-dump", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Dump the sharding of a model's full training state for one case (or every case of\n"
+                    "the matrix) as golden JSON.",
+        epilog="commands (sharding-dump COMMAND --help for each):\n" + "\n".join(
+            f"  {name:<{width}}  {line}" for name, line in SUMMARIES.items()))
     _add_case_options(parser, "dump every case of the case matrix")
     parser.add_argument("--golden-dir", "--output-dir", dest="golden_dir", metavar="DIR",
                         help="root of the golden tree (default: golden-dir of [tool.sharding-dump] in pyproject.toml, "
@@ -365,7 +378,8 @@ class _Stdout:
             raise self._fail(err) from None
 
 
-COMMANDS = {"list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show, "verify": _cmd_verify}
+COMMANDS = {"dump": _cmd_dump, "list": _cmd_list, "diff": _cmd_diff, "check": _cmd_check, "show": _cmd_show,
+            "verify": _cmd_verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
