@@ -56,26 +56,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def project_of(config: pytest.Config) -> "Project":
-    """The project configuration for this run: [tool.sharding-dump] of the pyproject.toml named on the
-    command line, else the nearest one at or above pytest's ini file (its rootdir when there is none),
-    else at or above the invocation folder; then the ini options. So `pytest repo/`, `pytest
-    repo/pyproject.toml::CASE` and a run from `repo/tests` find the same cases. Bad configuration is a
-    usage error (one line, no traceback)."""
+    """The project configuration for this run: [tool.sharding-dump] of the project the paths given to
+    pytest are in (a pyproject.toml named on the command line is its own project), else the nearest one
+    at or above pytest's ini file (its rootdir when there is none), else at or above the invocation
+    folder; then the ini options. So `pytest repo/`, `pytest repo/pyproject.toml::CASE` and a run from
+    `repo/tests` find the same cases. Bad configuration is a usage error (one line, no traceback)."""
     cached = getattr(config, "_sharding_dump_project", None)
     if cached is not None:
         return cached
     from sharding_dump.errors import BadInput
-    from sharding_dump.project import PYPROJECT, find_pyproject, load_project
+    from sharding_dump.project import find_pyproject, load_project
 
     base = Path(config.inipath).parent if config.inipath else Path(config.rootpath)
     invocation = Path(config.invocation_params.dir)
     try:
-        named = {source for path in _arg_paths(config) if path.name == PYPROJECT
-                 and (source := find_pyproject(path.parent)) == path}
-        if len(named) > 1:
-            raise BadInput(f"{' and '.join(sorted(map(str, named)))} both configure [tool.sharding-dump]: "
-                           "run one project per pytest run")
-        source = next(iter(named), None) or find_pyproject(base.resolve()) or find_pyproject(invocation.resolve())
+        around = sorted({source for path in _arg_paths(config)
+                         if (source := find_pyproject(path if path.is_dir() else path.parent))})
+        if len(around) > 1:
+            raise BadInput(f"the paths given are in {len(around)} projects with [tool.sharding-dump] "
+                           f"({', '.join(map(str, around))}): run one project per pytest run")
+        source = next(iter(around), None) or find_pyproject(base.resolve()) or find_pyproject(invocation.resolve())
         project = load_project(source.parent if source else invocation)
         project = project.with_overrides(config.getini("sharding_dump_cases") or None,
                                          config.getini("sharding_dump_golden_dir") or None, base)

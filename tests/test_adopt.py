@@ -176,3 +176,14 @@ def test_configured_cases_left_out_are_said(project: pytest.Pytester) -> None:
     run(project, "-k", "plain").stdout.fnmatch_lines(["sharding-dump: warning: no golden test ran: * configures "
                                                      "sharding cases, but -k/-m deselected all of them"])
     assert "no golden test ran" not in run(project, "--collect-only", "-q").stdout.str()
+
+
+def test_paths_in_two_projects_are_one_line(project: pytest.Pytester) -> None:
+    other = project.path / "other"
+    other.mkdir()
+    (other / "pyproject.toml").write_text('[tool.sharding-dump]\ncases = ["cases.yml"]\n')
+    result = run(project, "--collect-only", str(project.path / "sharding"), str(other))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert ("sharding-dump: error: the paths given are in 2 projects with [tool.sharding-dump] "
+            f"({project.path}/other/pyproject.toml, {project.path}/pyproject.toml): run one project per pytest run"
+            ) in result.stderr.str()
