@@ -42,15 +42,15 @@ _EXPORTS = {
     "golden_documents": "sharding_dump.core.documents",
     "dump_model": "sharding_dump.core.model_dump",
     "spec_to_json": "sharding_dump.core.specs",
-    "check_or_update_folder": "sharding_dump.golden",
-    "check_or_update": "sharding_dump.golden",
-    "Outcome": "sharding_dump.golden",
+    "check_or_update_folder": "sharding_dump.golden.engine",
+    "check_or_update": "sharding_dump.golden.engine",
+    "Outcome": "sharding_dump.golden.engine",
     "BadInput": "sharding_dump.errors",
-    "Case": "sharding_dump.case",
-    "golden_dir": "sharding_dump.case",
-    "load_matrix": "sharding_dump.case",
-    "dump_case": "sharding_dump.dump",
-    "render_case": "sharding_dump.dump",
+    "Case": "sharding_dump.zoo.case",
+    "golden_dir": "sharding_dump.zoo.case",
+    "load_matrix": "sharding_dump.zoo.case",
+    "dump_case": "sharding_dump.zoo.dump",
+    "render_case": "sharding_dump.zoo.dump",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,6 +1,6 @@
 """pytest plugin: golden checks for sharding cases, registered by the `pytest11` entry point.
 
-With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.project`) naming
+With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.zoo.project`) naming
 case files, `pytest` collects one test per case of them from that pyproject.toml, with no test code:
 the dump must equal its golden, byte for byte; plus one test that fails naming every golden path no
 case produces. `--update-goldens` rewrites what differs, creates what is missing, deletes the stale
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from sharding_dump.case import Case
-    from sharding_dump.golden import Outcome
-    from sharding_dump.project import Project
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.golden.engine import Outcome
+    from sharding_dump.zoo.project import Project
 
 SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
 KINDS = ("updated", "created", "unchanged", "deleted")
@@ -65,7 +65,7 @@ def project_of(config: pytest.Config) -> "Project":
     if cached is not None:
         return cached
     from sharding_dump.errors import BadInput
-    from sharding_dump.project import find_pyproject, load_project
+    from sharding_dump.zoo.project import find_pyproject, load_project
 
     base = Path(config.inipath).parent if config.inipath else Path(config.rootpath)
     invocation = Path(config.invocation_params.dir)
@@ -181,21 +181,21 @@ class GoldenChecker:
             self.item.user_properties.append((SUMMARY_KEY, (kind, count)))
 
     def check(self, case: "Case") -> "Outcome":
-        from sharding_dump import golden
+        from sharding_dump.golden import engine
         from sharding_dump.errors import BadInput, one_line
 
         try:
             if self.update:
-                outcome, kind = golden.update(case, self.root)
+                outcome, kind = engine.update(case, self.root)
                 self._note(kind)
                 return outcome
-            outcome = golden.check_or_update(case, self.root, update=False)
+            outcome = engine.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
             pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
-            from sharding_dump import verify
+            from sharding_dump.commands import verify
 
             result = verify.verify_case(case, verify.Options(verify.default_threshold(), self.root))
             if result.failures:
@@ -205,7 +205,7 @@ class GoldenChecker:
     def check_stale(self, cases: Iterable["Case"]) -> list[Path]:
         """Fails naming every golden path no case of `cases` produces; under --update-goldens removes
         them and returns what it removed."""
-        from sharding_dump import stale
+        from sharding_dump.golden import stale
 
         paths = stale.stale_paths(self.root, cases)
         if paths and not self.update:
@@ -245,7 +245,7 @@ class _Tally:
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if config.getoption("--update-goldens") and sum(self.counts.values()):
-            from sharding_dump.report import golden_summary
+            from sharding_dump.commands.diff import golden_summary
 
             terminalreporter.write_line(golden_summary(self.counts))
 

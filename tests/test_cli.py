@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from helpers import REPO, run_cli, tree_bytes
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.cli import main
-from sharding_dump.golden import check_or_update
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.commands.cli import main
+from sharding_dump.golden.engine import check_or_update
 
 
 def test_dump_one_case(tmp_path):
@@ -138,7 +138,7 @@ def test_update_writes_exactly_cli_bytes(tmp_path):
 def test_help_lists_every_command_on_one_line(capsys):
     """`sharding-dump --help` names each command, dump included, on a line of its own, and each
     command word runs its command."""
-    from sharding_dump.cli import COMMANDS
+    from sharding_dump.commands.cli import COMMANDS
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding_dump import models, state
+from sharding_dump import models
+from sharding_dump.zoo import state
 from sharding_dump.errors import BadInput
 from sharding_dump.models.attention import causal_attention
 from sharding_dump.models.config import check_card_consistency

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from helpers import REPO, assert_bad_input, committed_golden, run_cli
-from sharding_dump import activations, state
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.dump import setup_case, trace_case
+from sharding_dump.core import capture as activations
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.dump import setup_case, trace_case
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-from sharding_dump import stale
-from sharding_dump.case import Case, golden_dir
+from sharding_dump.golden import stale
+from sharding_dump.zoo.case import Case, golden_dir
 
 CASE_ARGS = [("llama2-7b", "v5p-16", "pure-fsdp", 1), ("llama2-7b", "v5p-16", "default", 1),
              ("qwen3-0.6b", "a3", "default", 2)]
@@ -19,7 +19,7 @@ def make_project(root):
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "test_tree.py").write_text(textwrap.dedent(f"""\
         import pytest
-        from sharding_dump.case import Case
+        from sharding_dump.zoo.case import Case
 
         CASES = [Case.make(*args) for args in {CASE_ARGS!r}]
 

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
-from sharding_dump import cli
+from sharding_dump.commands import cli
 from sharding_dump.core import capture
 
 EXAMPLE_ARGS = ["--topology", "cpu-8", "--rule", "examples/rules.yml", "ici_fsdp_parallelism=4",
@@ -143,8 +143,8 @@ def test_derived_names_that_collide_are_numbered():
 def test_a_named_factory_is_filed_under_its_name(tmp_path, monkeypatch):
     """`models = {small = "examples.linen_lm:small_lm"}` (or `--model small=examples.linen_lm:small_lm`):
     the golden folder and the case's name are `small`, so moving the factory renames no golden."""
-    from sharding_dump.case import golden_dir
-    from sharding_dump.project import load_project
+    from sharding_dump.zoo.case import golden_dir
+    from sharding_dump.zoo.project import load_project
 
     (tmp_path / "pyproject.toml").write_text('[tool.sharding-dump]\ncases = "cases.yml"\n'
                                              'models = {small = "examples.linen_lm:small_lm"}\n')
@@ -164,7 +164,7 @@ def test_a_named_factory_is_filed_under_its_name(tmp_path, monkeypatch):
 def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
     """The one-call API and the CLI give the same named layout for the same model, mesh and rules."""
     from examples.linen_lm import small_lm
-    from sharding_dump.rules import load_rule
+    from sharding_dump.zoo.rules import load_rule
 
     docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
     api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor")),
@@ -203,7 +203,7 @@ def test_import_is_light_and_changes_nothing():
 
 
 def test_diff_runs_without_jax():
-    code = ("import sys; from sharding_dump.cli import main; status = main(['diff', 'golden', 'golden']); "
+    code = ("import sys; from sharding_dump.commands.cli import main; status = main(['diff', 'golden', 'golden']); "
             "assert status == 0, status; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr

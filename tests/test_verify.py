@@ -13,8 +13,8 @@ import json
 import pytest
 
 from helpers import REPO, run_cli
-from sharding_dump import verify
-from sharding_dump.cli import main
+from sharding_dump.commands import verify
+from sharding_dump.commands.cli import main
 
 DATA = REPO / "tests/data/verify"
 TINY = str(DATA / "tiny-qwen3.yml")
@@ -95,7 +95,7 @@ def test_sharding_verify_fails_the_case_test_with_the_report(pytester):
 
 def test_recorded_figures_that_differ_fail_the_case(tmp_path):
     """Comparison with recorded figures, on figures as the child reports them (no compile needed)."""
-    from sharding_dump.case import Case
+    from sharding_dump.zoo.case import Case
 
     case = Case.make(TINY, "cpu-4", str(DATA / "clean.yml"))
     result = verify.CaseResult(case.label, "cpu", 4, None, memory={"argument": 8, "output": 4, "alias": 4, "temp": 16},
@@ -129,15 +129,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
 def test_recorded_figures_survive_a_golden_update_and_are_not_stale(tmp_path):
     """verify --record's file lives in the case folder: a rewrite of the goldens keeps it, and the
     stale check does not call it stray."""
-    from sharding_dump import golden, serialize, stale
-    from sharding_dump.case import Case, golden_dir
+    from sharding_dump.golden import engine
+    from sharding_dump.golden import codec
+    from sharding_dump.golden import stale
+    from sharding_dump.zoo.case import Case, golden_dir
 
     case = Case.make(TINY, "cpu-4", str(DATA / "clean.yml"))
     folder = golden_dir(case, tmp_path)
     folder.mkdir(parents=True)
     recorded = folder / "compiled_cpu_jax-0.10.2.json"
-    recorded.write_bytes(serialize.canonical_bytes({"memory_per_device": {"temp": 1}}))
-    outcome = golden.check_or_update(case, tmp_path, update=True)
+    recorded.write_bytes(codec.canonical_bytes({"memory_per_device": {"temp": 1}}))
+    outcome = engine.check_or_update(case, tmp_path, update=True)
     assert outcome.status == "written" and recorded.read_bytes().startswith(b"{")
     assert stale.stale_paths(tmp_path, [case]) == []
     (folder / "notes.txt").write_text("by hand")

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sharding_dump import serialize
+from sharding_dump.golden import codec
 from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
 
@@ -161,5 +161,5 @@ def compare_trees(reference_root: Path, golden_root: Path, activation_file: str)
             results[folder.as_posix()] = Comparison(missing=f"no {activation_file} in {ours_path.parent} "
                                                             "(is the case in the matrix?)")
             continue
-        results[folder.as_posix()] = compare(load_reference(path), serialize.read_document(ours_path))
+        results[folder.as_posix()] = compare(load_reference(path), codec.read_document(ours_path))
     return results

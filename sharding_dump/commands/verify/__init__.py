@@ -3,7 +3,7 @@
 The dump proves the state's layout; it cannot tell whether XLA partitions the step well. `verify`
 compiles one training step of the case (forward, backward, AdamW update) with
 `jax.jit(step, in_shardings=state+batch, out_shardings=state+loss, donate the state)` in a child
-process (:mod:`sharding_dump.verify_child`), so that the number of fake CPU devices can be set before
+process (:mod:`sharding_dump.commands.verify.child`), so that the number of fake CPU devices can be set before
 jax starts, and reports per case:
 
 - involuntary full rematerializations: XLA's partitioner could not reshard a value and replicated it
@@ -69,7 +69,7 @@ class StepParts:
 
 def _build_step(case: Any) -> StepParts:
     """The case's training step from the harness: setup, abstract state, step function, layouts."""
-    from sharding_dump import dump
+    from sharding_dump.zoo import dump
     from sharding_dump.core.layout import unbox
     from sharding_dump.core.step import abstract_batch
 
@@ -84,7 +84,7 @@ def _build_step(case: Any) -> StepParts:
 
 def leaf_path(key_path: Sequence[Any]) -> str:
     """A state leaf's path as the goldens write it."""
-    from sharding_dump import state
+    from sharding_dump.zoo import state
 
     return state.path_text(key_path)
 
@@ -543,20 +543,20 @@ class CaseResult:
 
 
 def format_bytes(count: int | None) -> str:
-    from sharding_dump.tables import format_bytes as fmt
+    from sharding_dump.commands.tables import format_bytes as fmt
 
     return fmt(count)
 
 
 def _golden_specs(case: Any, root: Path) -> dict[str, Any] | None:
     """Leaf path -> partition spec (JSON form) of the case's named golden; None when there is none."""
-    from sharding_dump import serialize
-    from sharding_dump.case import golden_dir
+    from sharding_dump.golden import codec
+    from sharding_dump.zoo.case import golden_dir
 
     path = golden_dir(case, root) / "named_shardings.json"
     if not path.is_file():
         return None
-    return {p: entry["partition_spec"] for p, entry in serialize.read_document(path)["tensors"].items()}
+    return {p: entry["partition_spec"] for p, entry in codec.read_document(path)["tensors"].items()}
 
 
 def _child_env(devices: int, tpu: bool, work: Path) -> dict[str, str]:
@@ -597,7 +597,7 @@ def check_tpu_case(case: Any) -> None:
 
 def verify_case(case: Any, options: Options) -> CaseResult:
     """Compiles the case's training step in a child process and checks it."""
-    from sharding_dump.topology import load_topology
+    from sharding_dump.zoo.topology import load_topology
 
     topology = load_topology(case.topology, case.num_slices)
     golden = _golden_specs(case, options.golden_dir)
@@ -612,7 +612,7 @@ def verify_case(case: Any, options: Options) -> CaseResult:
         work = Path(tmp)
         (work / "request.json").write_text(json.dumps(request), encoding="utf-8")
         with open(work / "xla.log", "wb") as log:  # the child's fd 2: XLA's C++ warnings land here
-            proc = subprocess.run([sys.executable, "-m", "sharding_dump.verify_child", str(work)],
+            proc = subprocess.run([sys.executable, "-m", "sharding_dump.commands.verify.child", str(work)],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                   env=_child_env(topology.num_devices, options.tpu, work))
         log_text = (work / "xla.log").read_text(encoding="utf-8", errors="replace")
@@ -639,7 +639,7 @@ def verify_case(case: Any, options: Options) -> CaseResult:
 
 def figures_path(case: Any, root: Path, backend: str, jax_version: str) -> Path:
     """Where --record keeps a case's compiled figures: beside its golden, keyed by backend and jax."""
-    from sharding_dump.case import golden_dir
+    from sharding_dump.zoo.case import golden_dir
 
     return golden_dir(case, root) / f"{FIGURES_PREFIX}{backend}_jax-{jax_version}.json"
 
@@ -654,17 +654,17 @@ def _flat(doc: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def _compare_figures(case: Any, options: Options, result: CaseResult) -> None:
     """Compares with (or, under --record, writes) the figures recorded for this backend and jax version."""
-    from sharding_dump import serialize
-    from sharding_dump.golden import display
+    from sharding_dump.golden import codec
+    from sharding_dump.golden.engine import display
 
     path = figures_path(case, options.golden_dir, result.backend, result.jax_version)
     result.figures_file = display(path)
     now = result.figures()
     if options.record:
-        data = serialize.canonical_bytes(now)
+        data = codec.canonical_bytes(now)
         if not path.is_file() or path.read_bytes() != data:
             path.parent.mkdir(parents=True, exist_ok=True)
-            serialize.write_atomic(path, data)
+            codec.write_atomic(path, data)
             result.figures_written = True
         return
     if not path.is_file():
@@ -704,7 +704,7 @@ def _collective_cells(r: CaseResult) -> list[list[str]]:
 
 def render_case(r: CaseResult, fmt: str = "text") -> str:
     """One case's block (text or markdown)."""
-    from sharding_dump import tables
+    from sharding_dump.commands import tables
 
     md = fmt == "markdown"
     wrap = tables.code if md else str
@@ -745,10 +745,10 @@ def render_case(r: CaseResult, fmt: str = "text") -> str:
 def render(results: list[CaseResult], fmt: str) -> str:
     """The whole report: JSON (every case, every item), or a summary plus one block per case."""
     if fmt == "json":
-        from sharding_dump import serialize
+        from sharding_dump.golden import codec
 
         doc = {"failed": any(r.failures for r in results), "cases": [r.to_json() for r in results]}
-        return serialize.canonical_bytes(doc).decode("utf-8")
+        return codec.canonical_bytes(doc).decode("utf-8")
     failed = [r for r in results if r.failures]
     title = f"sharding-dump verify: {len(failed)} of {len(results)} case{'s' * (len(results) != 1)} failed"
     blocks = [f"### {title}" if fmt == "markdown" else title] + [render_case(r, fmt) for r in results]
@@ -759,7 +759,7 @@ def render(results: list[CaseResult], fmt: str) -> str:
 
 def command(argv: Sequence[str]) -> int:
     """`sharding-dump verify CASE|--all [options]`: exit 0 when every case is clean, 1 on any failure."""
-    from sharding_dump import cli
+    from sharding_dump.commands import cli
 
     parser = cli._Parser(
         prog="sharding-dump verify",

@@ -8,7 +8,7 @@
   size > 1, i.e. held whole by every device;
 - memory: params + optimizer state per device above the topology's HBM per device.
 
-Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.rules.deciding_rule`),
+Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.zoo.rules.deciding_rule`),
 and where that rule was written from the rule set's origins (file:line of the rule file or model card).
 """
 
@@ -21,13 +21,17 @@ from typing import Any, Iterable
 
 import jax.numpy as jnp
 
-from sharding_dump import diff, models, rules, state, tables
-from sharding_dump.case import Case
-from sharding_dump.dump import CaseSetup, case_layouts
+from sharding_dump import models
+from sharding_dump.golden import diff
+from sharding_dump.zoo import rules
+from sharding_dump.zoo import state
+from sharding_dump.commands import tables
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import CaseSetup, case_layouts
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import display
+from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
-from sharding_dump.state import TensorLayout, per_device_totals
+from sharding_dump.zoo.state import TensorLayout, per_device_totals
 
 LINT_FILE = DATA_DIR / "lint.yml"
 TOP_TENSORS = 5  # tensors listed under a replicated or memory finding

@@ -22,7 +22,7 @@ import flax.linen as nn
 from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
 from jax.sharding import PartitionSpec
 
-from sharding_dump import settings as settings_mod
+from sharding_dump.zoo import settings as settings_mod
 from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
 from sharding_dump.core.specs import rule_axes
 from sharding_dump.errors import BadInput

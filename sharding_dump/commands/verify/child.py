@@ -1,6 +1,6 @@
 """The child process of `sharding-dump verify`: compiles one case's training step and writes its figures.
 
-    python -m sharding_dump.verify_child WORK_DIR
+    python -m sharding_dump.commands.verify.child WORK_DIR
 
 It runs in its own process because the number of fake CPU devices (`XLA_FLAGS=
 --xla_force_host_platform_device_count=N`, set by the parent) must be fixed before jax starts. It
@@ -29,7 +29,7 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
     from jax.experimental import mesh_utils
     from jax.sharding import AxisType, Mesh
 
-    from sharding_dump.mesh import device_grid
+    from sharding_dump.zoo.mesh import device_grid
 
     axis_types = (AxisType.Auto,) * len(parts.axis_names)
     shape = tuple(i * d for i, d in zip(parts.ici, parts.dcn))
@@ -53,10 +53,10 @@ def _spec(items: list[Any]) -> Any:
 
 
 def _spec_json(sharding: Any, ndim: int) -> Any:
-    from sharding_dump import serialize
+    from sharding_dump.golden import codec
 
     spec = getattr(sharding, "spec", None)
-    return serialize.spec_to_json(spec, ndim) if spec is not None else str(sharding)
+    return codec.spec_to_json(spec, ndim) if spec is not None else str(sharding)
 
 
 def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: Any) -> list[list[Any]]:
@@ -65,7 +65,7 @@ def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: 
     import jax
     from jax.sharding import NamedSharding
 
-    from sharding_dump.verify import leaf_path
+    from sharding_dump.commands.verify import leaf_path
 
     if golden is None:
         return []
@@ -93,8 +93,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from sharding_dump import verify
-    from sharding_dump.case import Case
+    from sharding_dump.commands import verify
+    from sharding_dump.zoo.case import Case
 
     c = request["case"]
     case = Case.make(c["model"], c["topology"], c["rule"], c["num_slices"], c["overrides"])

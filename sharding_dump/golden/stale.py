@@ -7,7 +7,7 @@ other processes write the goldens of those cases: inside a case folder it only l
 writes there, and a temp folder of a golden write still in progress (its process alive) is left alone.
 
 >>> import tempfile
->>> from sharding_dump.case import Case, golden_dir
+>>> from sharding_dump.zoo.case import Case, golden_dir
 >>> root = Path(tempfile.mkdtemp())
 >>> case = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
 >>> (golden_dir(case, root) / "named_shardings.json").parent.mkdir(parents=True)
@@ -22,9 +22,9 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from sharding_dump import serialize
-from sharding_dump.case import Case, golden_dir
-from sharding_dump.golden import GOLDEN_FILE_NAMES, display
+from sharding_dump.golden import codec
+from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.golden.engine import GOLDEN_FILE_NAMES, display
 
 
 def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
@@ -38,12 +38,12 @@ def stale_paths(root: str | Path, cases: Iterable[Case]) -> list[Path]:
     def walk(folder: Path, parts: tuple[str, ...]) -> None:
         for child in _children(folder):
             child_parts = parts + (child.name,)
-            if serialize.is_temp(child.name) and not serialize.is_leftover(child.name):
+            if codec.is_temp(child.name) and not codec.is_leftover(child.name):
                 continue  # another process is writing this case right now
             if child_parts in expected:
                 if child.is_dir() and not child.is_symlink():
                     stale.extend(p for p in _children(child)
-                                 if p.name not in GOLDEN_FILE_NAMES and not serialize.is_companion(p.name))
+                                 if p.name not in GOLDEN_FILE_NAMES and not codec.is_companion(p.name))
                 else:
                     stale.append(child)
             elif child_parts in on_the_way and child.is_dir() and not child.is_symlink():

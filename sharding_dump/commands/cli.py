@@ -10,7 +10,7 @@
     sharding-dump --version
 
 The golden folder, the case files and extra rule and card folders come from `[tool.sharding-dump]` in
-the nearest pyproject.toml (sharding_dump/project.py); --golden-dir and --cases override it.
+the nearest pyproject.toml (sharding_dump/zoo/project.py); --golden-dir and --cases override it.
 
 CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Sequence
 from sharding_dump.errors import BadInput, UnevenSplitWarning, one_line
 
 if TYPE_CHECKING:  # the commands import what they need when they run
-    from sharding_dump.case import Case
-    from sharding_dump.project import Project
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.project import Project
 
 # The command needs no accelerator and must give the same bytes whatever JAX's environment says
 # (JAX_PLATFORMS=cuda on a machine without GPUs, JAX_NUMPY_DTYPE_PROMOTION=strict, ... would crash it):
@@ -125,8 +125,8 @@ def _dump_parser() -> argparse.ArgumentParser:
 
 def _project(args: argparse.Namespace) -> Project:
     """[tool.sharding-dump] of the nearest pyproject.toml, with --cases and --golden-dir applied."""
-    from sharding_dump.golden import check_root
-    from sharding_dump.project import load_project
+    from sharding_dump.golden.engine import check_root
+    from sharding_dump.zoo.project import load_project
 
     golden_dir = getattr(args, "golden_dir", None)
     if golden_dir is not None:
@@ -137,9 +137,9 @@ def _project(args: argparse.Namespace) -> Project:
 def _cases(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
     """The case the options name, or every case of the project's case files under --all; all of them
     validated (mesh, settings, model) so that every bad input surfaces before any work or output."""
-    from sharding_dump import case as case_mod
-    from sharding_dump import settings
-    from sharding_dump.dump import setup_case
+    from sharding_dump.zoo import case as case_mod
+    from sharding_dump.zoo import settings
+    from sharding_dump.zoo.dump import setup_case
 
     if getattr(args, "all", False):
         if args.model or args.topology or args.rule or args.settings or args.num_slices != 1:
@@ -169,9 +169,10 @@ def _progress(index: int, count: int, line: str, started: float) -> None:
 def _cmd_dump(argv: Sequence[str]) -> int:
     import collections
 
-    from sharding_dump import golden, report
+    from sharding_dump.golden import engine
+    from sharding_dump.commands import diff
 
-    from sharding_dump.golden import check_root
+    from sharding_dump.golden.engine import check_root
 
     args = _dump_parser().parse_args(argv)
     if args.version:
@@ -184,29 +185,31 @@ def _cmd_dump(argv: Sequence[str]) -> int:
     tally: collections.Counter[str] = collections.Counter()
     for index, case in enumerate(cases, 1):
         start = time.perf_counter()
-        outcome, kind = golden.update(case, project.golden_dir)
+        outcome, kind = engine.update(case, project.golden_dir)
         tally[kind] += 1
         what = "; ".join([f"wrote {', '.join(outcome.files)}"] * bool(outcome.files) +
                          [f"removed {', '.join(outcome.removed)}"] * bool(outcome.removed)) or "unchanged"
-        _progress(index, len(cases), f"{golden.display(outcome.folder)}/: {what}", start)
+        _progress(index, len(cases), f"{engine.display(outcome.folder)}/: {what}", start)
         for warning in _use_warnings(case, outcome.folder):
             print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
-        print(report.golden_summary(tally))
+        print(diff.golden_summary(tally))
     return 0
 
 
 def _use_warnings(case: Case, folder: Path) -> list[str]:
     """The rule file's warnings for a dump just written (see rules.use_warnings)."""
-    from sharding_dump import lint, rules, serialize
+    from sharding_dump.commands import check
+    from sharding_dump.zoo import rules
+    from sharding_dump.golden import codec
 
-    docs = {path.name: serialize.read_document(path) for path in sorted(folder.glob("*.json"))}
-    return rules.use_warnings(rules.load_rule(case.rule), docs, lint.lint_settings().known_logical_axes)
+    docs = {path.name: codec.read_document(path) for path in sorted(folder.glob("*.json"))}
+    return rules.use_warnings(rules.load_rule(case.rule), docs, check.lint_settings().known_logical_axes)
 
 
 def _cmd_diff(argv: Sequence[str]) -> int:
-    from sharding_dump import report
+    from sharding_dump.commands import diff
 
     parser = _Parser(prog="sharding-dump diff",
                      description="Compare two case folders (e.g. one model under two rules) or two golden trees "
@@ -215,24 +218,24 @@ def _cmd_diff(argv: Sequence[str]) -> int:
                                  "differs, 0 when nothing does.")
     parser.add_argument("old", metavar="OLD", help="case folder or golden tree before the change")
     parser.add_argument("new", metavar="NEW", help="case folder or golden tree after the change")
-    parser.add_argument("--format", choices=report.FORMATS, default="text",
+    parser.add_argument("--format", choices=diff.FORMATS, default="text",
                         help="text (terminal), markdown (pull-request comment) or json; default text")
     parser.add_argument("--max-chars", type=int, metavar="N",
                         help=f"cut the text or markdown report to N characters, keeping the summary table "
-                             f"(markdown default: {report.GITHUB_COMMENT_CHARS:,}, what a GitHub comment takes)")
+                             f"(markdown default: {diff.GITHUB_COMMENT_CHARS:,}, what a GitHub comment takes)")
     args = parser.parse_args(argv)
     if args.max_chars is not None and (args.format == "json" or args.max_chars < 1000):
         raise BadInput(f"--max-chars {args.max_chars}: takes a number >= 1000, with --format text or markdown")
     limit = args.max_chars
     if limit is None and args.format == "markdown":
-        limit = report.GITHUB_COMMENT_CHARS
-    reports = report.compare(args.old, args.new)
-    sys.stdout.write(report.render(reports, args.format, limit))
+        limit = diff.GITHUB_COMMENT_CHARS
+    reports = diff.compare(args.old, args.new)
+    sys.stdout.write(diff.render(reports, args.format, limit))
     return 1 if any(r.status != "identical" for r in reports) else 0
 
 
 def _cmd_check(argv: Sequence[str]) -> int:
-    from sharding_dump import lint
+    from sharding_dump.commands import check
 
     parser = _Parser(prog="sharding-dump check",
                      description="Lint one case (or every case of the matrix): indivisible splits, rules naming "
@@ -245,15 +248,15 @@ def _cmd_check(argv: Sequence[str]) -> int:
                              "fraction or a percentage (default: data/lint.yml, 2%%)")
     _add_settings_argument(parser)
     args = parser.parse_args(argv)
-    tolerance = None if args.replicated_tolerance is None else lint.parse_tolerance(args.replicated_tolerance)
+    tolerance = None if args.replicated_tolerance is None else check.parse_tolerance(args.replicated_tolerance)
     cases = _cases(args, "checks", _project(args))
-    lint.lint_settings()  # a broken data/lint.yml is bad input before any output
+    check.lint_settings()  # a broken data/lint.yml is bad input before any output
     found = 0
     for index, case in enumerate(cases, 1):
         start = time.perf_counter()
-        findings = lint.lint_case(case, tolerance)
+        findings = check.lint_case(case, tolerance)
         found += len(findings)
-        text = lint.render_findings(case, findings)
+        text = check.render_findings(case, findings)
         head, _, rest = text.partition("\n")
         _progress(index, len(cases), head, start)
         if rest:
@@ -264,7 +267,7 @@ def _cmd_check(argv: Sequence[str]) -> int:
 
 
 def _cmd_show(argv: Sequence[str]) -> int:
-    from sharding_dump.show import render_case_table
+    from sharding_dump.commands.show import render_case_table
 
     parser = _Parser(prog="sharding-dump show",
                      description="Print one case as a table: every leaf's path, shape, logical axes, partition "
@@ -284,7 +287,8 @@ def _cmd_list(argv: Sequence[str]) -> int:
     parser.add_argument("what", choices=["models", "topologies", "rules", "settings"])
     args = parser.parse_args(argv)
     if args.what == "models":
-        from sharding_dump import models, state
+        from sharding_dump import models
+        from sharding_dump.zoo import state
         from sharding_dump.models.config import card_files
         from sharding_dump.resources import MODELS_DIR
         files = card_files()
@@ -295,18 +299,18 @@ def _cmd_list(argv: Sequence[str]) -> int:
             print(f"{name:<18} {cfg.decoder_block:<10} {count:>17,} parameters ({count / 1e9:.2f}B){source}")
         print(f"decoder blocks: {', '.join(sorted(models.decoder_blocks()))}")
     elif args.what == "topologies":
-        from sharding_dump.topology import load_topology, topology_names
+        from sharding_dump.zoo.topology import load_topology, topology_names
         for name in topology_names():
             t = load_topology(name)
             print(f"{name:<14} {t.platform:<4} {t.chip:<6} {t.devices_per_slice:>6} devices/slice "
                   f"{t.hbm_bytes_per_device / 2**30:>5.0f} GiB HBM/device")
         print("cpu-N          cpu  any N devices, no HBM limit")
     elif args.what == "rules":
-        from sharding_dump.rules import load_rule, rule_names
+        from sharding_dump.zoo.rules import load_rule, rule_names
         for name in rule_names():
             print(f"{name:<20} mesh_axes: {', '.join(load_rule(name).mesh_axes)}")
     else:
-        from sharding_dump.settings import setting_specs, format_value
+        from sharding_dump.zoo.settings import setting_specs, format_value
         for key, spec in setting_specs().items():
             print(f"{key:<42} default {format_value(spec.default):<8} {spec.help}")
         print(f"{'ici_<axis>_parallelism, dcn_<axis>_parallelism':<42} default {'1':<8} "
@@ -315,7 +319,7 @@ def _cmd_list(argv: Sequence[str]) -> int:
 
 
 def _cmd_verify(argv: Sequence[str]) -> int:
-    from sharding_dump import verify
+    from sharding_dump.commands import verify
 
     return verify.command(argv)
 

@@ -2,7 +2,7 @@
 
 OLD and NEW are two case folders (say the same model under two rules) or two golden trees (say a
 checkout of main and the working tree, paired by case folder). Every golden document is read and
-schema-checked, then compared with :func:`sharding_dump.diff.diff_documents`; this module only
+schema-checked, then compared with :func:`sharding_dump.golden.diff.diff_documents`; this module only
 gathers the findings per case and lays them out as text, GitHub markdown (ready to paste as a
 pull-request comment) or JSON. Optimizer slots that changed exactly like their parameter are folded
 under it, as in the pytest report.
@@ -16,10 +16,12 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from sharding_dump import diff, serialize, tables
+from sharding_dump.golden import diff
+from sharding_dump.golden import codec
+from sharding_dump.commands import tables
 from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import GOLDEN_FILE_NAMES, display
+from sharding_dump.golden.engine import GOLDEN_FILE_NAMES, display
 
 NAMED_FILE = "named_shardings.json"
 ACTIVATIONS_FILE = "activation_shardings.json"
@@ -115,7 +117,7 @@ def upgrade_named(doc: dict[str, Any]) -> dict[str, Any]:
 def _read(folder: Path | None) -> dict[str, dict[str, Any]]:
     if folder is None:
         return {}
-    return {name: upgrade_named(serialize.read_document(folder / name)) for name in _golden_files(folder)}
+    return {name: upgrade_named(codec.read_document(folder / name)) for name in _golden_files(folder)}
 
 
 def tensor_bytes(entry: dict[str, Any] | None) -> int | None:
@@ -338,7 +340,7 @@ def render_json(reports: list[CaseReport]) -> str:
                          "other": {k: list(v) for k, v in row.other.items()}} for row in r.rows],
         } for r in reports],
     }
-    return serialize.canonical_bytes(doc).decode("utf-8")
+    return codec.canonical_bytes(doc).decode("utf-8")
 
 
 def render(reports: list[CaseReport], fmt: str, max_chars: int | None = None) -> str:

@@ -15,7 +15,7 @@ import functools
 import math
 import re
 
-from sharding_dump import settings
+from sharding_dump.zoo import settings
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, MAX_DIGITS, read_text
 

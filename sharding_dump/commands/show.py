@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharding_dump import diff, state, tables
+from sharding_dump.golden import diff
+from sharding_dump.zoo import state
+from sharding_dump.commands import tables
 from sharding_dump.core import specs
-from sharding_dump.case import Case
-from sharding_dump.dump import case_layouts
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import case_layouts
 
 GROUP_ORDER = {"params": 0, "opt_state": 1}
 

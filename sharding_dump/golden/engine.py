@@ -3,7 +3,7 @@
 :func:`check_or_update_folder` takes any documents (the user's own, from :func:`sharding_dump.dump_model`);
 :func:`check_or_update` is the zoo's case-by-case client. The pytest plugin calls them with
 update=False (or True under --update-goldens); the CLI with update=True. A golden folder is
-rewritten as a whole (:func:`sharding_dump.serialize.write_case_folder`), never through a symbolic
+rewritten as a whole (:func:`sharding_dump.golden.codec.write_case_folder`), never through a symbolic
 link inside the golden tree. This module imports no jax until a case is rendered.
 """
 
@@ -17,13 +17,14 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from sharding_dump import diff, serialize
+from sharding_dump.golden import diff
+from sharding_dump.golden import codec
 from sharding_dump.errors import BadInput, os_error
 
 if TYPE_CHECKING:
-    from sharding_dump.case import Case
+    from sharding_dump.zoo.case import Case
 
-GOLDEN_FILE_NAMES = tuple(serialize.FILE_KINDS)
+GOLDEN_FILE_NAMES = tuple(codec.FILE_KINDS)
 UPDATE_HINT = "(or pytest --update-goldens)"
 
 
@@ -55,7 +56,7 @@ def display(path: Path) -> str:
 def update_command(case: Case, root: str | Path | None) -> str:
     """The command that rewrites `case`'s golden under `root`: with --golden-dir unless `root` is
     where `sharding-dump` run here writes anyway (the project's golden folder)."""
-    from sharding_dump.project import load_project
+    from sharding_dump.zoo.project import load_project
 
     if root is None or Path(root).resolve() == load_project().golden_dir:
         return case.command()
@@ -95,7 +96,7 @@ def check_root(root: str | Path) -> Path:
 def case_folder(case: Case, root: str | Path) -> Path:
     """golden_dir, refusing a symbolic link or a regular file on the way from `root` (excluded) to
     the case folder (included): a golden is never read or written through a link out of the tree."""
-    from sharding_dump.case import golden_dir
+    from sharding_dump.zoo.case import golden_dir
 
     root = Path(root)
     folder = golden_dir(case, root)
@@ -120,7 +121,7 @@ def _golden_bytes(path: Path) -> bytes | None:
     """A golden file's bytes, None when absent; anything but a readable regular file is BadInput."""
     if not os.path.lexists(path):
         return None
-    return serialize.read_regular(path)
+    return codec.read_regular(path)
 
 
 def _listing(folder: Path) -> list[str]:
@@ -134,7 +135,7 @@ def _listing(folder: Path) -> list[str]:
 
 def _extras(folder: Path) -> list[str]:
     """Names in a case folder that no case writes there (hand-made files, leftover temps)."""
-    return [name for name in _listing(folder) if name not in GOLDEN_FILE_NAMES and not serialize.is_companion(name)]
+    return [name for name in _listing(folder) if name not in GOLDEN_FILE_NAMES and not codec.is_companion(name)]
 
 
 def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
@@ -155,7 +156,7 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
         if current[name] == data:
             continue
         try:
-            old = serialize.read_document(path)
+            old = codec.read_document(path)
         except BadInput as err:
             reports.append(f"{name}: the golden file is not a valid golden document ({err})")
             continue
@@ -184,7 +185,7 @@ def render(case: Case) -> dict[str, bytes]:
     sets (JAX_NUMPY_DTYPE_PROMOTION=strict would otherwise reject the model's mixed-precision ops)."""
     import jax
 
-    from sharding_dump.dump import render_case
+    from sharding_dump.zoo.dump import render_case
 
     with jax.numpy_dtype_promotion("standard"):
         return render_case(case)
@@ -219,12 +220,12 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     if current is None:
         current = read_folder(folder)
     fresh = {name: data for name, data in documents.items() if isinstance(data, bytes)}
-    fresh.update(serialize.render({name: doc for name, doc in documents.items() if not isinstance(doc, bytes)}))
+    fresh.update(codec.render({name: doc for name, doc in documents.items() if not isinstance(doc, bytes)}))
     fresh = dict(sorted(fresh.items()))
     if not update:
         return compare(folder, fresh, label, command, current)
     try:
-        serialize.recover_leftovers(folder)
+        codec.recover_leftovers(folder)
     except OSError as err:
         raise os_error("golden folder", folder, err) from None
     extras = _extras(folder)
@@ -234,8 +235,8 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     if not written and not extras and not stale:
         return Outcome(label, folder, "match")
     check_root(folder)
-    carried = {name: serialize.read_regular(folder / name) for name in _listing(folder) if serialize.is_companion(name)}
-    serialize.write_case_folder(folder, {**carried, **fresh})
+    carried = {name: codec.read_regular(folder / name) for name in _listing(folder) if codec.is_companion(name)}
+    codec.write_case_folder(folder, {**carried, **fresh})
     return Outcome(label, folder, "written", files=tuple(written + stale), removed=tuple(extras))
 
 

@@ -20,9 +20,11 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from sharding_dump import rules, settings, topology
+from sharding_dump.zoo import rules
+from sharding_dump.zoo import settings
+from sharding_dump.zoo import topology
 from sharding_dump.errors import BadInput
-from sharding_dump.model_ref import ModelRef, parse_model_ref
+from sharding_dump.zoo.model_ref import ModelRef, parse_model_ref
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 
 CASES_FILE = DATA_DIR / "cases.yml"

@@ -29,13 +29,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding_dump import models, rules
+from sharding_dump import models
+from sharding_dump.zoo import rules
 from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
     TensorLayout, indivisible, leaves, path_text, per_device_totals, tensor_layouts as core_tensor_layouts)
 from sharding_dump.core.layout import _is_box
 from sharding_dump.core.state import abstract_train_state, as_model, default_optimizer, parameter_count  # noqa: F401
 from sharding_dump.errors import BadInput
-from sharding_dump.mesh import MeshPlan
+from sharding_dump.zoo.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 MOMENTS = ("mu", "nu")  # AdamW's per-parameter slots, under opt_state/<index>/
