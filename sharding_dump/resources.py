@@ -136,6 +136,8 @@ def load_yaml(path: Path, what: str = "file") -> Any:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "not valid YAML"
+        if "nesting depth" in problem:  # libyaml's own limit (PyYAML 6.0.4), met before ours in a flow
+            problem = f"nested deeper than {MAX_DEPTH} levels"
         raise BadInput(f"{what} {path}:{where} not valid YAML ({problem})") from None
 
 
