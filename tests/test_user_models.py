@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
@@ -97,7 +97,7 @@ class Mixed(nn.Module):
         return sd.constrain(y, ("batch", "mlp"), "hidden")
 
 
-MESH = AbstractMesh((2, 2), ("data", "model"))
+MESH = AbstractMesh((2, 2), ("data", "model"), (AxisType.Auto,) * 2)  # jax 0.12 defaults to Explicit
 RULES = [("batch", "data"), ("mlp", "model"), ("embed", None)]
 
 
@@ -167,7 +167,7 @@ def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
     from sharding_dump.zoo.rules import load_rule
 
     docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
-    api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor")),
+    api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3),
                         load_rule("examples/rules.yml"), batch_shape=(96, 2048), input_axes=("batch", "length"))
     assert api["named_shardings.json"]["tensors"] == docs["named_shardings.json"]["tensors"]
     assert api["activation_shardings.json"]["tensors"] == docs["activation_shardings.json"]["tensors"]
