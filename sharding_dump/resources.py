@@ -144,6 +144,8 @@ def parse_yaml(text: str, where: str) -> Any:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "not valid YAML"
+        if "nesting depth" in problem:  # libyaml's own limit (PyYAML 6.0.4), met before ours in a flow
+            problem = f"nested deeper than {MAX_DEPTH} levels"
         raise BadInput(f"{where}{line} not valid YAML ({problem})") from None
 
 

@@ -26,10 +26,10 @@ pass through when the current thread or task has no recording. The notes live in
 object (a context variable), so one trace never sees another's.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
->>> from jax.sharding import AbstractMesh, use_abstract_mesh
+>>> from jax.sharding import AbstractMesh, AxisType, use_abstract_mesh
 >>> def f(x):
 ...     return nn.with_logical_constraint(x * 2, ("batch", "embed"))
->>> with use_abstract_mesh(AbstractMesh((2,), ("data",))), nn.logical_axis_rules([("batch", "data")]):
+>>> with use_abstract_mesh(AbstractMesh((2,), ("data",), (AxisType.Auto,))), nn.logical_axis_rules([("batch", "data")]):
 ...     with recording() as rec:
 ...         jaxpr = jax.make_jaxpr(f)(jax.ShapeDtypeStruct((8, 4), jnp.float32))
 >>> [(c.key, c.logical_axes, tuple(c.partition_spec)) for c in read_constraints(jaxpr, rec)]
