@@ -13,3 +13,44 @@ import optax  # noqa: F401
 
 import sharding_dump.commands.verify  # noqa: F401
 import sharding_dump.zoo.dump  # noqa: F401
+
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+
+from helpers import REPO  # noqa: E402
+
+
+@pytest.fixture
+def mutated_rule(tmp_path: Path) -> Callable[[str, str, str], Path]:
+    """`mutated_rule(rule, line, new_line)`: a copy of a packaged rule file with one line changed (the
+    line must be there exactly once, so a test notices when the rule file moves on). The copy keeps the
+    file name, so its cases share the original's golden folders and a golden check must fail."""
+
+    def mutate(rule: str, line: str, new_line: str) -> Path:
+        text = (REPO / f"sharding_dump/rules/{rule}.yml").read_text()
+        assert text.count(line) == 1, f"{rule}.yml no longer has the line {line!r}"
+        copy = tmp_path / "mutated" / f"{rule}.yml"
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_text(text.replace(line, new_line))
+        return copy
+
+    return mutate
+
+
+@pytest.fixture
+def mini_project(pytester: pytest.Pytester) -> Callable[..., pytest.Pytester]:
+    """`mini_project(files, table)`: a repository that adopts sharding-dump, in pytester's folder: a
+    pyproject.toml whose `[tool.sharding-dump]` table is `table`, and `files` ({path: text})."""
+
+    def make(files: dict[str, str], table: str = 'cases = ["cases.yml"]') -> pytest.Pytester:
+        pytester.makefile(".toml", pyproject=f'[project]\nname = "my-trainer"\nversion = "0"\n\n'
+                                             f'[tool.sharding-dump]\n{table}\n')
+        for name, text in files.items():
+            path = pytester.path / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return pytester
+
+    return make

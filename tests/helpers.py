@@ -10,8 +10,20 @@ from pathlib import Path
 from sharding_dump.commands import cli
 from sharding_dump.golden import codec
 from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
+from sharding_dump.zoo.rules import load_rule
+from sharding_dump.zoo.settings import parse_overrides, resolve
+from sharding_dump.zoo.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def mesh_plan(rule: str, topology: str, num_slices: int = 1, **overrides: object) -> MeshPlan:
+    """The mesh a case gets from its rule file, topology and KEY=VALUE overrides, as the dump plans it
+    (the overrides count as set explicitly), without loading a model."""
+    parsed = parse_overrides(overrides)
+    return plan_mesh(load_rule(rule), load_topology(topology, num_slices), resolve(parsed),
+                     frozenset(key for key, _ in parsed))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

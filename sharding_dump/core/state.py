@@ -133,7 +133,7 @@ class Model:
         from flax.core import spmd as core_spmd
 
         with nn.logical_axis_rules(rules_of(rules)):
-            return core_spmd.apply_rules(jax.sharding.PartitionSpec(*names), None)
+            return core_spmd.get_pspec(tuple(names))
 
 
 def explicit_train_state(model: Model, mesh: Any, rules: Any,

@@ -423,7 +423,7 @@ def _check_model(composed: Composed, table: KeyTable, card: str, config: ModelCo
         elif spec.has_neutral:
             expected = spec.neutral
             source = f"decoder block '{config.decoder_block}' of model card {card} does not build it: it builds"
-        else:  # only a field every block reads has no neutral value (tests/test_maxtext_config.py)
+        else:  # only a field every block reads has no neutral value (tests/zoo/test_maxtext_config.py)
             raise BadInput(f"MaxText keys file {KEYS_FILE}: field model/{key}: decoder block "
                            f"'{config.decoder_block}' does not read {spec.field}, and the key has no neutral value")
         if spec.count:

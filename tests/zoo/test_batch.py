@@ -3,6 +3,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from helpers import mesh_plan
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.batch import plan_batch
@@ -12,9 +13,7 @@ from sharding_dump.zoo.topology import load_topology
 
 
 def plan(rule, topology, **overrides):
-    r = rules.load_rule(rule)
-    values = resolve(parse_overrides(overrides))
-    return plan_batch(r, plan_mesh(r, load_topology(topology), values), values)
+    return plan_batch(rules.load_rule(rule), mesh_plan(rule, topology, **overrides), resolve(parse_overrides(overrides)))
 
 
 def test_batch_defaults_and_fractional_batch_under_context_parallelism():

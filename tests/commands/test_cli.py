@@ -107,12 +107,9 @@ def test_sixteen_thousand_devices(tmp_path):
     assert dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))["fsdp"] == 16384
 
 
-def test_mutated_rule_is_caught_with_tensor_names(tmp_path):
+def test_mutated_rule_is_caught_with_tensor_names(mutated_rule):
     """A user's copy of pure-fsdp.yml with `embed` unsharded maps to the same golden folder and fails."""
-    rule = tmp_path / "pure-fsdp.yml"
-    text = (REPO / "sharding_dump/rules/pure-fsdp.yml").read_text()
-    assert "  - [embed, [fsdp]]\n" in text
-    rule.write_text(text.replace("  - [embed, [fsdp]]\n", "  - [embed, []]\n"))
+    rule = mutated_rule("pure-fsdp", "  - [embed, [fsdp]]\n", "  - [embed, []]\n")
     outcome = check_or_update(Case.make("llama2-7b", "v5p-16", str(rule)), REPO / "golden", update=False)
     assert outcome.status == "differs"
     assert "params/decoder/layers/mlp/wi_0/kernel  (and opt_state/0/mu, opt_state/0/nu)" in outcome.report

@@ -203,7 +203,7 @@ def test_pipelined_logits_equal_the_plain_stack():
     the numbers the model computes."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "pipeline_equivalence.py")], capture_output=True,
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "models" / "pipeline_equivalence.py")], capture_output=True,
                             text=True, env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [json.loads(line) for line in result.stdout.splitlines()]

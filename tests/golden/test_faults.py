@@ -23,7 +23,7 @@ from sharding_dump.golden import store
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update, render
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = [("qwen3-0.6b", "cpu-1", "default", {"max_target_length": 16, "per_device_batch_size": 1}),
         ("qwen3-0.6b", "cpu-2", "pure-fsdp", {"max_target_length": 16, "per_device_batch_size": 1})]
 CASES = [Case.make(m, t, r, 1, o) for m, t, r, o in TINY]

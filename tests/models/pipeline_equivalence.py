@@ -1,6 +1,6 @@
 """Runs a small decoder pipelined and plain on 4 CPU devices and prints how far their logits differ.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_DISABLE_MOST_OPTIMIZATIONS=1 python tests/pipeline_equivalence.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_DISABLE_MOST_OPTIMIZATIONS=1 python tests/models/pipeline_equivalence.py
 
 (XLA's optimizations are off: they cost most of the compile time and change no value compared here.)
 

@@ -2,17 +2,13 @@
 
 import pytest
 
+from helpers import mesh_plan
 from sharding_dump.errors import BadInput
-from sharding_dump.zoo.mesh import plan_mesh
 from sharding_dump.zoo.rules import load_rule
-from sharding_dump.zoo.settings import parse_overrides, resolve
+from sharding_dump.zoo.settings import parse_overrides
 from sharding_dump.zoo.topology import load_topology, topology_names
 
-
-def plan(rule, topo, num_slices=1, **overrides):
-    parsed = parse_overrides(overrides)
-    return plan_mesh(load_rule(rule), load_topology(topo, num_slices), resolve(parsed),
-                     frozenset(k for k, _ in parsed))
+plan = mesh_plan
 
 
 @pytest.mark.parametrize("name,devices,hbm_gib", [

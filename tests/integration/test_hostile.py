@@ -28,7 +28,7 @@ from sharding_dump.resources import MODELS_DIR
 from sharding_dump.zoo import settings, topology
 from sharding_dump.zoo.case import MAX_NAME_CHARS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "qwen3-0.6b", "--topology", "cpu-1", "--rule", "default", "max_target_length=16",
         "per_device_batch_size=1"]
 GOLDEN_CASE = REPO / "golden/qwen3-0.6b/tpu7x-16/slice_1/rule_default"

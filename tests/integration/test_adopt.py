@@ -16,16 +16,10 @@ import pytest
 
 from sharding_dump.commands import cli
 
-PYPROJECT = """\
-[project]
-name = "my-trainer"
-version = "0"
-
-[tool.sharding-dump]
+TABLE = """\
 golden-dir = "sharding/goldens"
 cases = ["sharding/cases.yml"]
-rule-dirs = ["sharding/rules"]
-"""
+rule-dirs = ["sharding/rules"]"""
 
 # Our own mesh names: replicas of the model (data parallel) x model shards (tensor parallel).
 TP_RULE = """\
@@ -59,13 +53,9 @@ DP_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_dp_ici_replica_parallelism=-1"
 
 
 @pytest.fixture
-def project(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makefile(".toml", pyproject=PYPROJECT)
-    (pytester.path / "sharding/rules").mkdir(parents=True)
-    (pytester.path / "sharding/rules/tp.yml").write_text(TP_RULE)
-    (pytester.path / "sharding/rules/dp.yml").write_text(DP_RULE)
-    (pytester.path / "sharding/cases.yml").write_text(CASES)
-    return pytester
+def project(mini_project) -> pytest.Pytester:
+    return mini_project({"sharding/rules/tp.yml": TP_RULE, "sharding/rules/dp.yml": DP_RULE, "sharding/cases.yml": CASES},
+                        table=TABLE)
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
@@ -112,7 +102,8 @@ def test_ini_options_override_the_table(project: pytest.Pytester) -> None:
 
 
 def test_bad_project_configuration_is_one_line(project: pytest.Pytester) -> None:
-    project.makefile(".toml", pyproject=PYPROJECT.replace('golden-dir = "sharding/goldens"', "golden-dir = 3"))
+    pyproject = project.path / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('golden-dir = "sharding/goldens"', "golden-dir = 3"))
     result = run(project)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "sharding-dump: error: " in result.stderr.str() and "golden-dir" in result.stderr.str()

@@ -24,13 +24,10 @@ RULE_MUTATIONS = [
 
 
 @pytest.mark.parametrize("rule,line,mutated", RULE_MUTATIONS, ids=[r[0] for r in RULE_MUTATIONS])
-def test_mutated_moe_rule_fails_its_golden_naming_the_expert_weights(tmp_path, rule, line, mutated):
+def test_mutated_moe_rule_fails_its_golden_naming_the_expert_weights(mutated_rule, rule, line, mutated):
     """A copy of the rule file with the `exp` line changed maps to the same golden folder and fails."""
     case = next(c for c in load_matrix() if c.rule == rule and c.model == "deepseek2-16b")
-    text = (REPO / f"sharding_dump/rules/{rule}.yml").read_text()
-    assert text.count(line) == 1, f"{rule}.yml no longer has the line {line!r}"
-    copy = tmp_path / f"{rule}.yml"
-    copy.write_text(text.replace(line, mutated))
+    copy = mutated_rule(rule, line, mutated)
     mutated_case = Case.make(case.model, case.topology, str(copy), case.num_slices, dict(case.overrides))
     assert golden_dir(mutated_case, "g") == golden_dir(case, "g")
     outcome = check_or_update(mutated_case, REPO / "golden", update=False)

@@ -7,16 +7,14 @@ import functools
 
 import pytest
 
-from helpers import assert_bad_input, committed_golden
+from helpers import assert_bad_input, committed_golden, mesh_plan
 from sharding_dump import models
 from sharding_dump.commands import cli
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import dump_case, setup_case
-from sharding_dump.zoo.mesh import plan_mesh
 from sharding_dump.zoo.rules import load_rule
-from sharding_dump.zoo.settings import parse_overrides, resolve
 from sharding_dump.zoo.topology import load_topology, topology_names
 
 ATTN_INPUT = ["activation_batch_attn", "activation_input_length_attn", "activation_embed_attn"]
@@ -92,9 +90,7 @@ def test_card_rules_apply_on_the_base_rules_only():
 
 
 def plan(topology: str, num_slices: int = 1, rule: str = "default", **overrides):
-    parsed = parse_overrides(overrides)
-    return plan_mesh(load_rule(rule), load_topology(topology, num_slices), resolve(parsed),
-                     frozenset(k for k, _ in parsed))
+    return mesh_plan(rule, topology, num_slices, **overrides)
 
 
 def test_every_tpu_slice_knows_its_torus():

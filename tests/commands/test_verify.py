@@ -82,16 +82,14 @@ def test_clean_case_exits_0_and_records_its_figures(tmp_path):
 
 
 @pytest.mark.compile
-def test_sharding_verify_fails_the_case_test_with_the_report(pytester):
+def test_sharding_verify_fails_the_case_test_with_the_report(mini_project):
     """pytest --sharding-verify: a case whose golden is right but whose compiled step rematerializes
     fails its test with verify's report; without the option the same case passes."""
-    (pytester.path / "cases.yml").write_text(
+    pytester = mini_project({"cases.yml": (
         "cases:\n"
         f"  - {{model: {TINY}, topology: cpu-8, rule: {DATA / 'remat.yml'},\n"
         "     overrides: {per_device_batch_size: 1, max_target_length: 256, ici_data_parallelism: 2,\n"
-        "                 ici_tensor_parallelism: 2}}\n")
-    (pytester.path / "pyproject.toml").write_text(
-        '[tool.sharding-dump]\ngolden-dir = "goldens"\ncases = ["cases.yml"]\n')
+        "                 ici_tensor_parallelism: 2}}\n")}, table='golden-dir = "goldens"\ncases = ["cases.yml"]')
     assert main(["--all", "--cases", str(pytester.path / "cases.yml"), "--golden-dir", str(pytester.path / "goldens")]) == 0
     pytester.runpytest_inprocess("-p", "no:cacheprovider", "pyproject.toml").assert_outcomes(passed=2)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "pyproject.toml", "--sharding-verify")
