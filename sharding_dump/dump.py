@@ -17,7 +17,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from sharding_dump import models, rules, serialize, settings, state
+from sharding_dump import models, optimizers, rules, serialize, settings, state
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.errors import BadInput, UnevenSplitWarning
@@ -47,6 +47,11 @@ class CaseSetup:
     batch: BatchPlan
 
     @property
+    def optimizer(self) -> Any:
+        """The case's optax optimizer: MaxText's `opt_type` or the user's own `optimizer=`."""
+        return optimizers.case_optimizer(self.values)
+
+    @property
     def explicit(self) -> bool:
         """shard_mode=explicit: the state is traced on an Explicit-axis mesh."""
         return self.values["shard_mode"] == "explicit"
@@ -74,6 +79,8 @@ def setup_case(case: Case) -> CaseSetup:
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
+    optimizers.check(values, config.decoder_block if config is not None else None, case.model)
+    optimizers.case_optimizer(values)  # a user's optimizer that cannot be built fails here, before any trace
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
         pipeline.check_batch(batch.global_batch_size)
@@ -113,9 +120,9 @@ def _check_even_splits(setup: CaseSetup) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_state(config: models.ModelConfig) -> dict[str, Any]:
-    # Shapes only depend on the config; cases of one model share the traced init.
-    return state.abstract_state(config)
+def _abstract_state(config: models.ModelConfig, tx: Any) -> dict[str, Any]:
+    # Shapes only depend on the config and optimizer; cases of one model share the traced init.
+    return state.abstract_state(config, tx)
 
 
 @functools.lru_cache(maxsize=16)
@@ -125,17 +132,17 @@ def factory_model(ref: str) -> Model:
 
 
 @functools.lru_cache(maxsize=16)
-def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], tx: Any) -> dict[str, Any]:
     params = factory_model(ref).abstract_params(plan.abstract_mesh(), rules)
-    return state.abstract_train_state(params, state.optimizer())
+    return state.abstract_train_state(params, tx)
 
 
 def abstract_state_of(setup: CaseSetup) -> dict[str, Any]:
     """The boxed abstract training state of the case's model (a card's, or a user factory's, whose
     init runs under the case's mesh and rules as it would in training)."""
     if setup.config is not None:
-        return _abstract_state(setup.config)
-    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules)
+        return _abstract_state(setup.config, setup.optimizer)
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.optimizer)
 
 
 def header(setup: CaseSetup) -> dict[str, Any]:
@@ -153,7 +160,8 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
     if setup.explicit:
-        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data)
+        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
+                                                    setup.optimizer)
     return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
 
 
@@ -197,8 +205,8 @@ def case_model(setup: CaseSetup) -> Model:
 
 def case_step(setup: CaseSetup) -> Step:
     """One next-token training step of the case's model: batch constrained to the rule's input axes,
-    forward, backward, AdamW update."""
-    return next_token_step(case_model(setup).apply, state.optimizer(), setup.batch.logical_axes)
+    forward, backward, optimizer update."""
+    return next_token_step(case_model(setup).apply, setup.optimizer, setup.batch.logical_axes)
 
 
 def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:

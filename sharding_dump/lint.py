@@ -192,14 +192,11 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
     used = totals.get("params", 0) + totals.get("opt_state", 0)
     if used <= hbm:
         return []
-    by_param: dict[str, int] = {}  # a parameter with its optimizer slots
+    by_param = {t.path: t.per_device_bytes for t in layouts if t.group == "params"}  # with its optimizer slots
     for t in layouts:
-        if t.group == "params":
-            by_param[t.path] = by_param.get(t.path, 0) + t.per_device_bytes
-        elif t.group == "opt_state":
-            mirror = diff.slot_parameter(t.path)
-            if mirror and mirror[0] in by_param:
-                by_param[mirror[0]] += t.per_device_bytes
+        mirror = diff.slot_parameter(t.path, by_param) if t.group == "opt_state" else None
+        if mirror:
+            by_param[mirror[0]] += t.per_device_bytes
     layout_of = {t.path: t for t in layouts}
     ordered = sorted(by_param, key=lambda p: (-by_param[p], p))
     listed = [(layout_of[p], by_param[p], " (with its optimizer slots)") for p in ordered[:TOP_TENSORS]]

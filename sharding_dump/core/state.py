@@ -2,8 +2,8 @@
 
 A model is given as a linen module (its `init` runs under `jax.eval_shape`) or as an NNX module, or a
 factory of one (built under `nnx.eval_shape`). Either way the parameters come back *boxed* with their
-logical axes (flax `Partitioned`), and the optimizer state is built over the boxed parameters, so the
-moments keep the logical axes of their parameter.
+logical axes (flax `Partitioned`); the optimizer state is built over the raw parameters and each of
+its leaves is traced back to its parameter (:mod:`sharding_dump.core.optimizer`).
 
 >>> import flax.linen as nn, jax.numpy as jnp
 >>> class Tiny(nn.Module):
@@ -31,32 +31,37 @@ import optax
 
 from sharding_dump.core.capture import note_nnx_modules
 from sharding_dump.core.layout import leaves, unbox
+from sharding_dump.core.optimizer import optimizer_state
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 ApplyFn = Callable[[Any, jax.Array, jax.Array], jax.Array]  # (raw params, tokens, positions) -> logits
 
 
+# AdamW as MaxText configures it by default (base.yml: adam_b1, adam_b2, adam_eps, adam_eps_root,
+# adam_weight_decay), with a constant learning-rate schedule.
+ADAMW = {"learning_rate": 1e-4, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 0.1}
+
+
 def default_optimizer() -> optax.GradientTransformation:
     """AdamW with a learning-rate schedule, as trainers configure it (the schedule adds a count)."""
-    return optax.adamw(optax.constant_schedule(1e-4), b1=0.9, b2=0.95, weight_decay=0.1)
+    hp = dict(ADAMW)
+    return optax.adamw(optax.constant_schedule(hp.pop("learning_rate")), **hp)
 
 
 def abstract_train_state(params: Any, optimizer: optax.GradientTransformation | None = None) -> dict[str, Any]:
     """{'step', 'params', 'opt_state'} as abstract arrays.
 
     `params` is an abstract (boxed) parameter tree, or a function `key -> params` that is run under
-    `jax.eval_shape`. The optimizer (default: :func:`default_optimizer`) is initialised abstractly
-    over the boxed tree, so AdamW's mu and nu keep each parameter's logical axes."""
+    `jax.eval_shape`. The optimizer (default: :func:`default_optimizer`; any optax
+    GradientTransformation) is initialised abstractly over the raw parameters, as a trainer does, and
+    every leaf of its state that belongs to a parameter carries the logical axes it derives from it
+    (:mod:`sharding_dump.core.optimizer`): AdamW's mu and nu the parameter's, Adafactor's factored
+    moments those of the dimensions they keep."""
     tx = optimizer or default_optimizer()
-
-    def init(key: jax.Array) -> dict[str, Any]:
-        p = params(key) if callable(params) else params
-        return {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": tx.init(p)}
-
     if callable(params):
-        return jax.eval_shape(init, jax.random.key(0))
+        params = jax.eval_shape(params, jax.random.key(0))
     return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
-            "opt_state": jax.eval_shape(tx.init, params)}
+            "opt_state": optimizer_state(tx, params)}
 
 
 def parameter_count(state: Any) -> int:
