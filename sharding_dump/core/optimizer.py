@@ -26,7 +26,7 @@ flax `Partitioned` with the derived logical axes, its parameter's path and the d
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -200,16 +200,6 @@ def _probe_dim(entry: Any) -> int | None:
     if len(axes) != 1 or not axes[0].startswith(_PROBE_AXIS):
         return None
     return int(axes[0][len(_PROBE_AXIS):])
-
-
-def slot_layout_source(slot: Slot, param_axes: Sequence[Any]) -> tuple[Any, ...]:
-    """A parameter's per-dimension entries (logical names or mesh axes) as its slot holds them."""
-    return tuple(param_axes[d] if d is not None and d < len(param_axes) else None for d in slot.dims)
-
-
-def iter_slot_paths(opt_state: Any) -> Iterator[tuple[str, Slot]]:
-    """(path, slot) of every slot, in path order."""
-    yield from sorted(slots(opt_state).items())
 
 
 __all__ = ["OptimizerAxesWarning", "Slot", "attach_slots", "candidate_dims", "optimizer_state", "slots"]

@@ -31,6 +31,7 @@ import optax
 
 from sharding_dump.core.capture import note_nnx_modules
 from sharding_dump.core.layout import leaves, unbox
+from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import optimizer_state
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
@@ -96,7 +97,8 @@ class Model:
         from sharding_dump.core.layout import rules_of
 
         abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
-        with jax.sharding.use_abstract_mesh(abstract), nn.logical_axis_rules(rules_of(rules or ())):
+        with jax.sharding.use_abstract_mesh(abstract), legacy_mesh(abstract), \
+                nn.logical_axis_rules(rules_of(rules or ())):
             return self.build_params()
 
 
