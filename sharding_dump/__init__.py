@@ -10,7 +10,8 @@ The public API is small and model-agnostic; everything is imported on first use,
 Pieces, for your own step or state:
 
 * :func:`abstract_train_state`, :func:`as_model`, :func:`parameter_count`: the abstract state;
-* :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set;
+* :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set
+  (:class:`Rules`: logical axis rules, and :class:`PathRule` regexes for weights without logical axes);
 * :func:`record_activations`, :func:`constrain`: activation constraints met while tracing;
 * :func:`golden_documents`, :func:`check_or_update_folder`: golden JSON and the check-or-update engine;
 * the built-in zoo: :class:`Case`, :func:`dump_case`, :func:`check_or_update`, :func:`load_matrix`.
@@ -33,6 +34,8 @@ _EXPORTS = {
     "leaf_layout": "sharding_dump.core.layout",
     "tensor_layouts": "sharding_dump.core.layout",
     "resolve": "sharding_dump.core.layout",
+    "Rules": "sharding_dump.core.layout",
+    "PathRule": "sharding_dump.core.layout",
     "constrain": "sharding_dump.core.capture",
     "record_activations": "sharding_dump.core.capture",
     "recording": "sharding_dump.core.capture",

@@ -141,7 +141,33 @@ def _user_optimizer(ref: str) -> optax.GradientTransformation:
         raise BadInput(f"optimizer={ref}: {ref.split(':', 1)[1]}() returned {shown(type(built).__name__)}, not an "
                        "optax optimizer: an object with init(params) and update(grads, state, params), such as "
                        "optax.adafactor(1e-3) or optax.MultiSteps(...)")
-    return built
+    return guarded(built, f"optimizer={ref}")
+
+
+def guarded(tx: Any, name: str) -> optax.GradientTransformationExtraArgs:
+    """`tx` whose init and update, when they raise, raise one BadInput line saying which call failed
+    and what the harness gave it (the user's optimizer code, run on abstract arrays)."""
+
+    def init(params: Any) -> Any:
+        try:
+            return tx.init(params)
+        except BadInput:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise BadInput(one_line(f"{name}: init(params) raised {type(err).__name__}: {err} (the harness passed "
+                                    f"the model's {len(jax.tree.leaves(params))} parameters as abstract arrays)")) from None
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        try:
+            return tx.update(updates, state, params, **extra)
+        except BadInput:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise BadInput(one_line(f"{name}: update(grads, state, params) raised {type(err).__name__}: {err} (the "
+                                    "harness passed the gradients, the state init returned, and the parameters, "
+                                    "all traced)")) from None
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 @functools.lru_cache(maxsize=None)

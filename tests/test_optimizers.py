@@ -189,10 +189,26 @@ def test_zoo_opt_types_change_the_state_as_in_maxtext(tmp_path):
     ("optimizer=tests.test_optimizers:raising", "optimizer=tests.test_optimizers:raising: calling raising() raised "
                                                 "ValueError: learning rate must be positive"),
     ("optimizer=tests.test_optimizers:not_an_optimizer", "not_an_optimizer() returned 'dict', not an optax optimizer"),
+    ("optimizer=tests.test_optimizers:failing_init", "optimizer=tests.test_optimizers:failing_init: init(params) "
+                                                     "raised TypeError: expected a list of arrays (the harness passed"),
+    ("optimizer=tests.test_optimizers:failing_update", "optimizer=tests.test_optimizers:failing_update: update(grads, "
+                                                       "state, params) raised ValueError: this optimizer needs a loss"),
 ])
 def test_bad_optimizers_are_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(REPO)
     assert_bad_input(tmp_path, capsys, args, message)
+
+
+def failing_init() -> optax.GradientTransformation:
+    def init(params):
+        raise TypeError("expected a list of arrays")
+    return optax.GradientTransformation(init, lambda g, s, p=None: (g, s))
+
+
+def failing_update() -> optax.GradientTransformation:
+    def update(grads, state, params=None):
+        raise ValueError("this optimizer needs a loss value")
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
 
 def raising() -> optax.GradientTransformation:

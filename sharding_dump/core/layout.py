@@ -156,6 +156,20 @@ class PathRule:
         return self.logical if self.logical is not None else tuple(self.spec or ())
 
 
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical axis rules and path rules together, for the core API (a rule file's RuleSet has both).
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> rules = Rules([("embed", "fsdp")], [("attention/w[qkv]/kernel", P("fsdp", "tensor")), (".*", P())])
+    >>> path_rules_of(rules)[0].spec
+    ('fsdp', 'tensor')
+    """
+
+    logical_axis_rules: Sequence[tuple[str, Any]] = ()
+    partition_rules: Sequence[Any] = ()  # PathRule, or (regex, PartitionSpec) pairs
+
+
 def path_rules_of(rules: Any) -> tuple[PathRule, ...]:
     """The path rules of a rule set (its `partition_rules`: PathRules or `(regex, PartitionSpec)` pairs)."""
     return tuple(r if isinstance(r, PathRule) else PathRule(r[0], tuple(r[1]))
