@@ -93,7 +93,7 @@ def test_multisteps_chain_lion_and_contrib_follow_their_parameter():
 def test_dump_model_with_adafactor_through_the_core_api():
     from examples.linen_lm import LinenLM
 
-    mesh = jax.sharding.AbstractMesh((2, 4), ("fsdp", "tensor"))
+    mesh = jax.sharding.AbstractMesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rules = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor")]
     docs = sd.dump_model(LinenLM(vocab=512, embed=256, layers=1, heads=4, mlp=512), mesh, rules,
                          batch_shape=(8, 16), optimizer=optax.adafactor(1e-3))

@@ -290,7 +290,7 @@ def test_partition_rules_through_the_core_api():
 
     model = LLaMAForCausalLM(LLaMAConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4))
-    mesh = jax.sharding.AbstractMesh((1, 2, 2), ("dp", "fsdp", "mp"))
+    mesh = jax.sharding.AbstractMesh((1, 2, 2), ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     rules = sd.Rules(partition_rules=[("attention/(wq|wk|wv)/kernel", PS("fsdp", "mp")),
                                       sd.PathRule("feed_forward/w1/kernel", logical=("embed", "mlp")), (".*", PS())],
                      logical_axis_rules=[("embed", "fsdp"), ("mlp", "mp")])
