@@ -1,6 +1,6 @@
 """pytest plugin: golden checks for sharding cases, registered by the `pytest11` entry point.
 
-With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.project`) naming
+With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.zoo.project`) naming
 case files, `pytest` collects one test per case of them from that pyproject.toml, with no test code:
 the dump must equal its golden, byte for byte; plus one test that fails naming every golden path no
 case produces. `--update-goldens` rewrites what differs, creates what is missing, deletes the stale
@@ -33,12 +33,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from sharding_dump.case import Case
-    from sharding_dump.golden import Outcome
-    from sharding_dump.project import Project
+    from sharding_dump.golden.engine import Outcome
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.project import Project
 
 SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
-KINDS = ("updated", "created", "unchanged", "deleted")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -62,7 +61,7 @@ def project_of(config: pytest.Config) -> "Project":
     if cached is not None:
         return cached
     from sharding_dump.errors import BadInput
-    from sharding_dump.project import load_project
+    from sharding_dump.zoo.project import load_project
 
     base = Path(config.inipath).parent if config.inipath else Path(config.rootpath)
     try:
@@ -164,33 +163,36 @@ class GoldenChecker:
             self.item.user_properties.append((SUMMARY_KEY, (kind, count)))
 
     def check(self, case: "Case") -> "Outcome":
-        from sharding_dump import golden
         from sharding_dump.errors import BadInput, one_line
+        from sharding_dump.zoo import goldens
 
         try:
             if self.update:
-                outcome, kind = golden.update(case, self.root)
+                outcome, kind = goldens.update(case, self.root)
                 self._note(kind)
                 return outcome
-            outcome = golden.check_or_update(case, self.root, update=False)
+            outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
             pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
-            from sharding_dump import verify
+            from sharding_dump.commands.verify.render import render_case
+            from sharding_dump.commands.verify.run import verify_case
+            from sharding_dump.commands.verify.settings import Options, default_threshold
 
-            result = verify.verify_case(case, verify.Options(verify.default_threshold(), self.root))
+            result = verify_case(case, Options(default_threshold(), self.root))
             if result.failures:
-                pytest.fail(verify.render_case(result), pytrace=False)
+                pytest.fail(render_case(result), pytrace=False)
         return outcome
 
     def check_stale(self, cases: Iterable["Case"]) -> list[Path]:
         """Fails naming every golden path no case of `cases` produces; under --update-goldens removes
         them and returns what it removed."""
-        from sharding_dump import stale
+        from sharding_dump.golden import stale
+        from sharding_dump.zoo.case import golden_dir
 
-        paths = stale.stale_paths(self.root, cases)
+        paths = stale.stale_paths(self.root, [golden_dir(case, self.root) for case in cases])
         if paths and not self.update:
             pytest.fail(stale.report(paths), pytrace=False)
         stale.remove(paths)
@@ -228,9 +230,9 @@ class _Tally:
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if config.getoption("--update-goldens") and sum(self.counts.values()):
-            from sharding_dump.report import golden_summary
+            from sharding_dump.golden.engine import summary_line
 
-            terminalreporter.write_line(golden_summary(self.counts))
+            terminalreporter.write_line(summary_line(self.counts))
 
 
 def pytest_configure(config: pytest.Config) -> None:

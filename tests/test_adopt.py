@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from sharding_dump import cli
+from sharding_dump.commands import cli
 
 PYPROJECT = """\
 [project]

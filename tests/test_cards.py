@@ -17,11 +17,13 @@ import pytest
 import yaml
 
 from helpers import REPO, assert_bad_input, committed_golden, run_cli
-from sharding_dump import cli, models, state
-from sharding_dump.case import Case, load_matrix
+from sharding_dump import models
+from sharding_dump.commands import cli
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import check_or_update
 from sharding_dump.models.config import honoured_fields, load_card, resolve_model
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.goldens import check_or_update
 
 # Parameter counts of the published checkpoints, from each model's Hugging Face config
 # (meta-llama/Llama-3.1-*, mistralai/Mixtral-*-v0.1, Qwen/Qwen3-*, google/gemma-*).

@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from helpers import REPO, run_cli, tree_bytes
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.cli import main
-from sharding_dump.golden import check_or_update
+from sharding_dump.commands.cli import main
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.goldens import check_or_update
 
 
 def test_dump_one_case(tmp_path):

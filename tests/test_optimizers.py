@@ -14,11 +14,12 @@ import pytest
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
-from sharding_dump import cli, diff
+from sharding_dump.commands import cli
+from sharding_dump.golden import diff
 from sharding_dump.core import optimizer as core_opt
 from sharding_dump.core.layout import resolve
 from sharding_dump.core.specs import spec_to_json
-from sharding_dump.rules import load_rule
+from sharding_dump.zoo.rules import load_rule
 
 
 def boxed(shape, names):

@@ -16,9 +16,10 @@ from jax.interpreters import pxla
 from jax.sharding import NamedSharding, PartitionSpec as PS
 
 from helpers import REPO, assert_bad_input, run_cli
-from sharding_dump import cli, diff, lint
-from sharding_dump.case import Case
+from sharding_dump.commands import check, cli
 from sharding_dump.core.legacy_mesh import current_legacy_mesh, legacy_mesh
+from sharding_dump.golden import diff
+from sharding_dump.zoo.case import Case
 
 LLAMA = ["--model", "examples.regex_llama:small_llama", "--topology", "cpu-8", "--rule", "examples/regex_llama.yml",
          "ici_mp_parallelism=2"]
@@ -214,7 +215,7 @@ def test_unplaced_weights_unmatched_regexes_and_no_constraints_are_said(tmp_path
     assert "params/head/bias" in err[0]
     assert f"partition rule {rule}:4 ('no_such_layer/kernel') matches no parameter path of this model" in err[1]
     assert "the model placed no activation sharding constraint in its training step" in err[2]
-    findings = {f.lint: f for f in lint.lint_case(Case.make("tests.test_partition_rules:silent", "cpu-8", str(rule),
+    findings = {f.lint: f for f in check.lint_case(Case.make("tests.test_partition_rules:silent", "cpu-8", str(rule),
                                                             overrides={"ici_model_parallelism": 2, "ici_data_parallelism": -1}))}
     assert findings["unplaced"].message.startswith("4 parameters carry no logical axes and match no partition rule")
     assert findings["unplaced"].details[0].startswith("params/head/kernel")
@@ -232,7 +233,7 @@ def test_rank_mismatch_and_a_logical_axis_without_rule(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "logical axes that do not fit the tensor's rank: params/down/kernel (1 names, rank 2), " \
            "params/up/kernel (3 names, rank 2)" in err
-    findings = lint.lint_case(Case.make("tests.test_partition_rules:misnamed", "cpu-8", str(rule),
+    findings = check.lint_case(Case.make("tests.test_partition_rules:misnamed", "cpu-8", str(rule),
                                         overrides={"ici_model_parallelism": 2, "ici_data_parallelism": -1}))
     by = {(f.lint, f.subject): f for f in findings}
     assert by[("rank", "params/up/kernel")].message == "3 logical axes for a tensor of rank 2: the extra names are dropped"
@@ -248,7 +249,7 @@ def test_linen_example_check_is_judged_against_its_own_weights(monkeypatch):
     monkeypatch.chdir(REPO)
     case = Case.make("examples.linen_lm:small_lm", "cpu-8", "examples/rules.yml",
                      overrides={"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2})
-    (finding,) = lint.lint_case(case)  # the shared rule file stacks `layers`: the NNX example's, not this one's
+    (finding,) = check.lint_case(case)  # the shared rule file stacks `layers`: the NNX example's, not this one's
     assert finding.lint == "unknown-name" and finding.subject == "logical axis 'layers'"
 
 
@@ -270,6 +271,7 @@ def test_bad_partition_rules_are_one_line_exit_2(tmp_path, capsys, monkeypatch, 
                      message)
 
 
+@pytest.mark.compile
 def test_verify_compiles_the_regex_placed_llama_with_its_gated_constraints(tmp_path, monkeypatch):
     """The compiled step's state shardings equal the regex-placed golden, and the gated constraints
     are in the compiled step too (its legacy mesh is the concrete one): without them XLA:CPU moves the

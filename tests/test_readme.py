@@ -7,7 +7,7 @@ import re
 import shlex
 
 from helpers import REPO
-from sharding_dump import cli
+from sharding_dump.commands import cli
 
 SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", SECTION, re.S)

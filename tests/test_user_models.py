@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
-from sharding_dump import cli
+from sharding_dump.commands import cli
 from sharding_dump.core import capture
 
 EXAMPLE_ARGS = ["--topology", "cpu-8", "--rule", "examples/rules.yml", "ici_fsdp_parallelism=4",
@@ -143,7 +144,7 @@ def test_derived_names_that_collide_are_numbered():
 def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
     """The one-call API and the CLI give the same named layout for the same model, mesh and rules."""
     from examples.linen_lm import small_lm
-    from sharding_dump.rules import load_rule
+    from sharding_dump.zoo.rules import load_rule
 
     docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
     api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor")),
@@ -180,7 +181,7 @@ def test_import_is_light_and_changes_nothing():
 
 
 def test_diff_runs_without_jax():
-    code = ("import sys; from sharding_dump.cli import main; status = main(['diff', 'golden', 'golden']); "
+    code = ("import sys; from sharding_dump.commands.cli import main; status = main(['diff', 'golden', 'golden']); "
             "assert status == 0, status; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr

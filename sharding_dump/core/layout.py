@@ -90,7 +90,8 @@ def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules_of(rules))
 
 
-def _is_box(x: Any) -> bool:
+def is_box(x: Any) -> bool:
+    """A leaf boxed with its logical axes (flax `Partitioned`), as the abstract state holds parameters."""
     return isinstance(x, nn.Partitioned)
 
 
@@ -111,8 +112,8 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
     """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
     no logical axes: all None)."""
     out = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box):
-        if _is_box(leaf):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
+        if is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
             array, logical = leaf, (None,) * len(leaf.shape)
@@ -122,7 +123,7 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
 
 def unbox(state: Any) -> Any:
     """The state with every `Partitioned` box replaced by its value (no constraint applied)."""
-    return jax.tree.map(lambda x: x.value if _is_box(x) else x, state, is_leaf=_is_box)
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, state, is_leaf=is_box)
 
 
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
@@ -136,6 +137,10 @@ def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh:
     spec = NamedSharding(mesh, spec).spec  # the spec exactly as a NamedSharding on this mesh holds it
     return TensorLayout(path, shape, jax.numpy.dtype(array.dtype).name, tuple(logical_axes), spec,
                         mesh_sizes(mesh))
+
+
+class PartitionRuleError(ValueError):
+    """A path rule that cannot place the parameter it matches (more entries than dimensions)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +197,7 @@ def _place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, .
         return (None,) * len(shape), None
     rule = path_rules[index]
     if len(rule.entries) > len(shape):
-        from sharding_dump.errors import BadInput
-
-        raise BadInput(f"partition rule {rule.where or repr(rule.pattern)} ({rule.pattern!r}): "
+        raise PartitionRuleError(f"partition rule {rule.where or repr(rule.pattern)} ({rule.pattern!r}): "
                        f"{len(rule.entries)} entries for parameter {key} of rank {len(shape)} {shape}; give at "
                        f"most {len(shape)} (a regex that matches it less widely, or a rule before it)")
     pad = (None,) * (len(shape) - len(rule.entries))
@@ -211,22 +214,22 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     from sharding_dump.core.optimizer import Slot
 
     path_rules = path_rules_of(rules)
-    boxed = sorted(((path_text(k), leaf) for k, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box)),
+    boxed = sorted(((path_text(k), leaf) for k, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box)),
                    key=lambda item: item[0])
     prefix = "params/" if isinstance(state, Mapping) and "params" in state else ""
     placed: dict[str, tuple[LogicalAxes, tuple | None]] = {}  # parameter key -> (logical, mesh spec)
     for path, leaf in boxed:
         if isinstance(leaf, Slot) or not path.startswith(prefix):
             continue
-        array = leaf.value if _is_box(leaf) else leaf
-        logical = tuple(leaf.names) if _is_box(leaf) else (None,) * len(array.shape)
+        array = leaf.value if is_box(leaf) else leaf
+        logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
         spec = None
         if path_rules and all(name is None for name in logical):
             logical, spec = _place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
         placed[path[len(prefix):]] = (logical, spec)
     out = []
     for path, leaf in boxed:
-        array = leaf.value if _is_box(leaf) else leaf
+        array = leaf.value if is_box(leaf) else leaf
         if isinstance(leaf, Slot):
             param_logical, param_spec = placed.get(leaf.parameter, (None, None))
             logical = tuple(leaf.names)
@@ -238,7 +241,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         elif path.startswith(prefix):
             logical, spec = placed[path[len(prefix):]]
         else:
-            logical, spec = (tuple(leaf.names) if _is_box(leaf) else (None,) * len(array.shape)), None
+            logical, spec = (tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)), None
         out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec))
     return out
 

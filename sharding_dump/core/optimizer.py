@@ -33,7 +33,7 @@ import jax
 from flax import struct
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from sharding_dump.core.layout import _is_box, path_text, unbox
+from sharding_dump.core.layout import is_box, path_text, unbox
 
 DimMap = tuple[int | None, ...]  # per leaf dimension: the parameter dimension it is, or None
 _PROBE_AXIS = "sharding_dump_dim"
@@ -62,17 +62,17 @@ def optimizer_state(optimizer: Any, params: Any) -> Any:
 
 def slots(opt_state: Any) -> dict[str, Slot]:
     """{leaf path: Slot} of every leaf of an optimizer state that belongs to a parameter."""
-    found = jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=_is_box)
+    found = jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=is_box)
     return {path_text(k): leaf for k, leaf in found if isinstance(leaf, Slot)}
 
 
 def _parameters(params: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[Any, ...]]]:
     """{path parts: (shape, logical axes)} of every parameter."""
     out = {}
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_box):
-        array = leaf.value if _is_box(leaf) else leaf
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_box):
+        array = leaf.value if is_box(leaf) else leaf
         shape = tuple(int(d) for d in array.shape)
-        names = tuple(leaf.names) if _is_box(leaf) else (None,) * len(shape)
+        names = tuple(leaf.names) if is_box(leaf) else (None,) * len(shape)
         out[tuple(path_text(key_path).split("/"))] = (shape, names)
     return out
 
@@ -140,7 +140,7 @@ def attach_slots(opt_state: Any, params: Any, optimizer: Any = None) -> Any:
 
     def box(key_path: Any, leaf: Any) -> Any:
         shape = tuple(int(d) for d in getattr(leaf, "shape", ()))
-        if not shape or _is_box(leaf):
+        if not shape or is_box(leaf):
             return leaf
         path = path_text(key_path)
         owner = _owner(path.split("/"), known)
@@ -163,7 +163,7 @@ def attach_slots(opt_state: Any, params: Any, optimizer: Any = None) -> Any:
         axes = tuple(names[d] if d is not None and d < len(names) else None for d in dims)
         return Slot(leaf, names=axes, parameter="/".join(owner), dims=dims)
 
-    return jax.tree_util.tree_map_with_path(box, opt_state, is_leaf=_is_box)
+    return jax.tree_util.tree_map_with_path(box, opt_state, is_leaf=is_box)
 
 
 def _probe(optimizer: Any, params: Any) -> dict[str, DimMap] | None:

@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import MLA_INPUT, MLA_OUT, MLA_QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import MlpBlock

@@ -15,7 +15,7 @@ Parameter tree (what the goldens see)::
 
 With pipeline parallelism the layer stack is cut into stages (see models/pipeline.py).
 
-Activations are constrained through `sharding_dump.activations.constrain` at MaxText's points (layer
+Activations are constrained through `sharding_dump.core.capture.constrain` at MaxText's points (layer
 input, both norms, attention inputs/q/k/v/output and result, MLP hidden and output, layer output,
 logits), so the traced step carries the constraints a training run does.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, activation, apply_rope, output_logits

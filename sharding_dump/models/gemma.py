@@ -16,7 +16,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import Attention, MlpBlock
 from sharding_dump.models.layers import BLE, DecoderLM, Embed, RMSNorm, output_logits

@@ -18,7 +18,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, weight_param

@@ -21,7 +21,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import Attention
 from sharding_dump.models.layers import BLE, DecoderLM, Embed, RMSNorm, output_logits

@@ -49,15 +49,15 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from sharding_dump import activations
-from sharding_dump import rules as rules_mod
-from sharding_dump import settings as settings_mod
-from sharding_dump.activations import constrain
+from sharding_dump.core import capture as activations
+from sharding_dump.zoo import rules as rules_mod
+from sharding_dump.zoo import settings as settings_mod
+from sharding_dump.core.capture import constrain
 from sharding_dump.errors import BadInput
 from sharding_dump.models.layers import scan_layers
 
 if TYPE_CHECKING:
-    from sharding_dump.mesh import MeshPlan
+    from sharding_dump.zoo.mesh import MeshPlan
     from sharding_dump.models.config import ModelConfig
 
 STAGE_AXIS = "stage"  # the mesh axis

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Container, Mapping
+from typing import TYPE_CHECKING, Any, Container, Mapping
 
-from deepdiff import DeepDiff
+if TYPE_CHECKING:  # imported on the first difference: equal documents never need it (it loads numpy)
+    from deepdiff import DeepDiff
 
 MAX_TENSORS = 60  # per file in one report; the rest is counted
 
@@ -49,6 +50,8 @@ def _top_keys(tree: DeepDiff) -> list[list[Any]]:
 def _deepdiff(old: Any, new: Any) -> DeepDiff:
     # threshold_to_diff_deeper=0: always report per key. By default deepdiff reports two mappings
     # that share under a third of their keys as one changed value, which names no tensor.
+    from deepdiff import DeepDiff
+
     return DeepDiff(old, new, view="tree", threshold_to_diff_deeper=0)
 
 

@@ -3,7 +3,7 @@
 :func:`check_or_update_folder` takes any documents (the user's own, from :func:`sharding_dump.dump_model`);
 :func:`check_or_update` is the zoo's case-by-case client. The pytest plugin calls them with
 update=False (or True under --update-goldens); the CLI with update=True. A golden folder is
-rewritten as a whole (:func:`sharding_dump.serialize.write_case_folder`), never through a symbolic
+rewritten as a whole (:func:`sharding_dump.golden.store.write_case_folder`), never through a symbolic
 link inside the golden tree. This module imports no jax until a case is rendered.
 """
 
@@ -15,16 +15,14 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from sharding_dump import diff, serialize
+from sharding_dump.core.format import GOLDEN_FILE_NAMES
 from sharding_dump.errors import BadInput, os_error
+from sharding_dump.golden import codec, diff, store
 
-if TYPE_CHECKING:
-    from sharding_dump.case import Case
-
-GOLDEN_FILE_NAMES = tuple(serialize.FILE_KINDS)
 UPDATE_HINT = "(or pytest --update-goldens)"
+SUMMARY_KINDS = ("updated", "created", "unchanged", "deleted")  # what an update run did to each golden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,15 +49,6 @@ def display(path: Path) -> str:
     except ValueError:
         return Path(path).as_posix()
 
-
-def update_command(case: Case, root: str | Path | None) -> str:
-    """The command that rewrites `case`'s golden under `root`: with --golden-dir unless `root` is
-    where `sharding-dump` run here writes anyway (the project's golden folder)."""
-    from sharding_dump.project import load_project
-
-    if root is None or Path(root).resolve() == load_project().golden_dir:
-        return case.command()
-    return case.command(str(Path(root).resolve()))
 
 
 def check_root(root: str | Path) -> Path:
@@ -92,35 +81,12 @@ def check_root(root: str | Path) -> Path:
     return root
 
 
-def case_folder(case: Case, root: str | Path) -> Path:
-    """golden_dir, refusing a symbolic link or a regular file on the way from `root` (excluded) to
-    the case folder (included): a golden is never read or written through a link out of the tree."""
-    from sharding_dump.case import golden_dir
-
-    root = Path(root)
-    folder = golden_dir(case, root)
-    path = root
-    for part in folder.relative_to(root).parts:
-        path = path / part
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            break
-        except OSError as err:
-            raise os_error("golden folder", path, err) from None
-        if stat.S_ISLNK(info.st_mode):
-            raise BadInput(f"golden folder {path}: a symbolic link inside the golden tree; refusing to "
-                           "write through it (replace it with a real folder)")
-        if not stat.S_ISDIR(info.st_mode):
-            raise BadInput(f"golden folder {path}: {os.strerror(errno.ENOTDIR)} (ENOTDIR)")
-    return folder
-
 
 def _golden_bytes(path: Path) -> bytes | None:
     """A golden file's bytes, None when absent; anything but a readable regular file is BadInput."""
     if not os.path.lexists(path):
         return None
-    return serialize.read_regular(path)
+    return codec.read_regular(path)
 
 
 def _listing(folder: Path) -> list[str]:
@@ -134,7 +100,7 @@ def _listing(folder: Path) -> list[str]:
 
 def _extras(folder: Path) -> list[str]:
     """Names in a case folder that no case writes there (hand-made files, leftover temps)."""
-    return [name for name in _listing(folder) if name not in GOLDEN_FILE_NAMES and not serialize.is_companion(name)]
+    return [name for name in _listing(folder) if name not in GOLDEN_FILE_NAMES and not store.is_companion(name)]
 
 
 def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
@@ -155,7 +121,7 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
         if current[name] == data:
             continue
         try:
-            old = serialize.read_document(path)
+            old = codec.read_document(path)
         except BadInput as err:
             reports.append(f"{name}: the golden file is not a valid golden document ({err})")
             continue
@@ -178,16 +144,6 @@ def _normal_mode(path: Path) -> bool:
     os.umask(umask)
     return stat.S_IMODE(os.lstat(path).st_mode) == 0o666 & ~umask
 
-
-def render(case: Case) -> dict[str, bytes]:
-    """The case's golden bytes, traced under JAX's standard dtype promotion whatever the environment
-    sets (JAX_NUMPY_DTYPE_PROMOTION=strict would otherwise reject the model's mixed-precision ops)."""
-    import jax
-
-    from sharding_dump.dump import render_case
-
-    with jax.numpy_dtype_promotion("standard"):
-        return render_case(case)
 
 
 def read_folder(folder: Path) -> dict[str, bytes | None]:
@@ -219,12 +175,12 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     if current is None:
         current = read_folder(folder)
     fresh = {name: data for name, data in documents.items() if isinstance(data, bytes)}
-    fresh.update(serialize.render({name: doc for name, doc in documents.items() if not isinstance(doc, bytes)}))
+    fresh.update(codec.render({name: doc for name, doc in documents.items() if not isinstance(doc, bytes)}))
     fresh = dict(sorted(fresh.items()))
     if not update:
         return compare(folder, fresh, label, command, current)
     try:
-        serialize.recover_leftovers(folder)
+        store.recover_leftovers(folder)
     except OSError as err:
         raise os_error("golden folder", folder, err) from None
     extras = _extras(folder)
@@ -234,23 +190,15 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     if not written and not extras and not stale:
         return Outcome(label, folder, "match")
     check_root(folder)
-    carried = {name: serialize.read_regular(folder / name) for name in _listing(folder) if serialize.is_companion(name)}
-    serialize.write_case_folder(folder, {**carried, **fresh})
+    carried = {name: codec.read_regular(folder / name) for name in _listing(folder) if store.is_companion(name)}
+    store.write_case_folder(folder, {**carried, **fresh})
     return Outcome(label, folder, "written", files=tuple(written + stale), removed=tuple(extras))
 
 
-def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
-    """Compares a zoo `case` with its golden under `root`, or (update=True) rewrites its folder."""
-    folder = case_folder(case, root)
-    current = read_folder(folder)  # a bad golden file is refused before any work
-    outcome = check_or_update_folder(folder, render(case), update, label=case.label,
-                                     command=f"{update_command(case, root)}\n{UPDATE_HINT}", current=current)
-    return dataclasses.replace(outcome, case=case)
+def summary_line(counts: Mapping[str, int]) -> str:
+    """What an update did to the goldens, one line (`sharding-dump goldens: 1 updated, 2 created, ...`).
 
-
-def update(case: Case, root: str | Path) -> tuple[Outcome, str]:
-    """check_or_update(update=True), and what it did to the golden: created, updated or unchanged
-    (for the summary line after an update)."""
-    existed = any(data is not None for data in read_folder(case_folder(case, root)).values())
-    outcome = check_or_update(case, root, update=True)
-    return outcome, "unchanged" if outcome.status == "match" else "updated" if existed else "created"
+    >>> summary_line({"created": 2, "unchanged": 5})
+    'sharding-dump goldens: 0 updated, 2 created, 5 unchanged, 0 deleted'
+    """
+    return "sharding-dump goldens: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in SUMMARY_KINDS)

@@ -1,14 +1,17 @@
-"""Golden files: building the JSON documents, their canonical bytes, schema checks, atomic writes.
-
-Canonical text is `json.dumps(sort_keys=True, indent=2)` plus a trailing newline, so the same case
-gives the same bytes on any machine, hash seed or worker count. Every document is schema-checked when
-it is built and when it is read back, and its kind must match its file name.
+"""Case folders on disk, changed atomically as a whole.
 
 A case folder changes as a whole (:func:`write_case_folder`): the new folder is written beside the old
 one under a temp name and the two are swapped in one step, so a reader, or a process killed at any
 moment, sees the old folder or the new one, never a mix. Temp names are `.<name>.<new|old>-<pid>-<random>`;
 one whose process is gone is a leftover, cleaned by the next write of that case and reported by the
 stale check.
+
+>>> import tempfile
+>>> folder = Path(tempfile.mkdtemp()) / "case"
+>>> write_case_folder(folder, {"a.json": b"{}"})
+>>> write_case_folder(folder, {"b.json": b"[]"})
+>>> sorted(p.name for p in folder.iterdir())
+['b.json']
 """
 
 from __future__ import annotations
@@ -16,24 +19,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import hashlib
-import json
 import os
 import re
 import secrets
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from sharding_dump.core.specs import SpecJson, spec_to_json  # noqa: F401  (re-exported)
-from sharding_dump.errors import BadInput, os_error
-from sharding_dump.resources import error_field, error_message, load_json, read_regular_file, schema_validator
+from sharding_dump.errors import os_error
 
-# The kind of document each golden file name holds: a file of another kind under this name is refused.
-FILE_KINDS = {"named_shardings.json": "named", "logical_shardings.json": "logical",
-              "activation_shardings.json": "activations"}
-GOLDEN_MAX_BYTES = 64 << 20
 # Files `sharding-dump verify --record` keeps beside a case's goldens: part of the case folder, carried
 # over when the goldens are rewritten, never reported as stray.
 COMPANION_NAME = re.compile(r"compiled_[A-Za-z0-9]+_jax-[0-9A-Za-z.+-]+\.json")
@@ -42,70 +37,12 @@ COMPANION_NAME = re.compile(r"compiled_[A-Za-z0-9]+_jax-[0-9A-Za-z.+-]+\.json")
 def is_companion(name: str) -> bool:
     """True for a file verify's --record writes beside the goldens (compiled_<backend>_jax-<version>.json)."""
     return COMPANION_NAME.fullmatch(name) is not None
+
+
 TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<role>new|old|tmp)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 FAULT_ENV = "SHARDING_DUMP_FAULT_AT"  # test hook: kill this process at the N-th step of a golden write
 NO_EXCHANGE_ENV = "SHARDING_DUMP_NO_EXCHANGE"  # test hook: use the two-rename fallback of the swap
 
-FORMAT_VERSION = 1  # of every document kind not listed in FORMAT_VERSIONS
-# named v2 added per-device bytes (per tensor and per-device totals in the header); the schema still
-# reads v1 so that `sharding-dump diff` can compare goldens written before the change.
-FORMAT_VERSIONS = {"named": 2}
-
-
-def document(kind: str, header: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """A golden document of `kind` (named, logical, ...): header fields plus a `tensors` map."""
-    version = FORMAT_VERSIONS.get(kind, FORMAT_VERSION)
-    return {"format_version": version, "kind": kind, **header, "tensors": dict(tensors)}
-
-
-def read_regular(path: Path) -> bytes:
-    """The bytes of a golden file: a regular file of at most GOLDEN_MAX_BYTES, else BadInput."""
-    return read_regular_file(path, "golden file", GOLDEN_MAX_BYTES)
-
-
-def check_document(doc: Mapping[str, Any], where: str) -> None:
-    """Schema-checks a document; a failure names `where` and the failing field."""
-    kind = doc.get("kind") if isinstance(doc, Mapping) else None
-    try:
-        validator = schema_validator(str(kind))
-    except KeyError:  # unknown kind: no such schema in the registry
-        raise BadInput(f"{where}: field kind: {kind!r} is not a golden document kind") from None
-    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
-    if errors:
-        raise BadInput(f"{where}: field {error_field(errors[0])}: {error_message(errors[0])}")
-
-
-def canonical_bytes(doc: Mapping[str, Any]) -> bytes:
-    """The one text form of a document."""
-    return (json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def render(docs: Mapping[str, Mapping[str, Any]]) -> dict[str, bytes]:
-    """{file name: document} -> {file name: canonical bytes}, every document schema-checked first."""
-    for name, doc in docs.items():
-        check_document(doc, name)
-    return {name: canonical_bytes(doc) for name, doc in sorted(docs.items())}
-
-
-def read_document(path: Path) -> dict[str, Any]:
-    """Reads and schema-checks a golden file (regular, bounded, UTF-8 JSON); a file named after one
-    kind of document (named_shardings.json, ...) must hold that kind."""
-    doc = load_json(path, "golden file", GOLDEN_MAX_BYTES)
-    expected = FILE_KINDS.get(Path(path).name)
-    kind = doc.get("kind") if isinstance(doc, dict) else None
-    if expected is not None and kind != expected:
-        raise BadInput(f"golden file {path}: field kind: {json.dumps(kind)[:40]} under the name {Path(path).name}, "
-                       f"which holds kind {expected!r}")
-    digest = hashlib.sha256(canonical_bytes(doc)).digest()
-    if digest not in _VALIDATED:  # the same content passes or fails its schema the same way every time
-        check_document(doc, f"golden file {path}")
-        if len(_VALIDATED) >= 4096:
-            _VALIDATED.clear()
-        _VALIDATED.add(digest)
-    return doc
-
-
-_VALIDATED: set[bytes] = set()  # digests of documents that passed their schema in this process
 _steps = 0
 
 
@@ -120,11 +57,9 @@ def fault_point() -> None:
     if _steps == int(at):
         os.kill(os.getpid(), signal.SIGKILL)
 
-
 def temp_name(name: str, role: str) -> str:
     """A fresh temp name beside `name`, owned by this process."""
     return f".{name}.{role}-{os.getpid()}-{secrets.token_hex(4)}"
-
 
 def is_leftover(name: str) -> bool:
     """A temp name whose owning process is gone (killed mid-write): safe to delete."""
@@ -142,11 +77,9 @@ def is_leftover(name: str) -> bool:
         return False
     return False
 
-
 def is_temp(name: str) -> bool:
     """Any golden-write temp name (live or left over)."""
     return TEMP_NAME.fullmatch(name) is not None
-
 
 def _write_new_file(path: Path, data: bytes) -> None:
     """Creates `path` (which must not exist) with the umask's normal mode and `data`, synced."""
@@ -159,7 +92,6 @@ def _write_new_file(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
 
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Writes `data` to `path` through a temp file in the same folder and a rename: readers see
     either the old file or the new one, never half of either. The file gets the umask's mode."""
@@ -169,14 +101,13 @@ def write_atomic(path: Path, data: bytes) -> None:
         _write_new_file(tmp, data)
         os.replace(tmp, path)
     except OSError as err:
-        _remove(tmp)
+        remove_tree(tmp)
         raise os_error("cannot write", path, err) from None
     except BaseException:
-        _remove(tmp)
+        remove_tree(tmp)
         raise
 
-
-def _remove(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """Deletes a file or folder tree, whatever is there (nothing when nothing is)."""
     try:
         if path.is_dir() and not path.is_symlink():
@@ -198,7 +129,6 @@ def _renameat2() -> Any:
         function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     return function
 
-
 def exchange(a: Path, b: Path) -> bool:
     """Swaps two existing paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the
     system or file system cannot, so the caller falls back to two renames."""
@@ -216,7 +146,6 @@ def exchange(a: Path, b: Path) -> bool:
     if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
         return False
     raise OSError(code, os.strerror(code), os.fsdecode(a))
-
 
 def recover_leftovers(folder: Path) -> list[Path]:
     """Finishes or undoes what a killed writer left beside `folder`: a case folder renamed away and
@@ -236,10 +165,9 @@ def recover_leftovers(folder: Path) -> list[Path]:
         if match["role"] == "old" and not os.path.lexists(folder):
             os.rename(path, folder)
             continue
-        _remove(path)
+        remove_tree(path)
         removed.append(path)
     return removed
-
 
 def write_case_folder(folder: Path, files: Mapping[str, bytes]) -> None:
     """Makes `folder` hold exactly `files`, atomically as a whole: the new folder is written beside
@@ -268,16 +196,16 @@ def write_case_folder(folder: Path, files: Mapping[str, bytes]) -> None:
                 fault_point()
             elif exchange(new, folder):
                 fault_point()
-                _remove(new)  # the old folder, now under the temp name
+                remove_tree(new)  # the old folder, now under the temp name
             else:
                 old = parent / temp_name(folder.name, "old")
                 os.rename(folder, old)
                 fault_point()
                 os.rename(new, folder)
                 fault_point()
-                _remove(old)
+                remove_tree(old)
         except BaseException:
-            _remove(new)
+            remove_tree(new)
             raise
         fault_point()
         _fsync_dir(parent)
@@ -288,7 +216,6 @@ def write_case_folder(folder: Path, files: Mapping[str, bytes]) -> None:
             except OSError:
                 break
         raise os_error("cannot write golden", err.filename or step_path, err) from None
-
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -302,11 +229,3 @@ def _fsync_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
-
-def write_files(folder: Path, files: Mapping[str, bytes]) -> None:
-    """Writes every rendered file of one case into `folder`, as one atomic change of the folder."""
-    write_case_folder(folder, files)
-
-
-def shapes_json(shape: Sequence[int]) -> list[int]:
-    return [int(d) for d in shape]

@@ -26,9 +26,9 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sharding_dump import serialize
 from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
+from sharding_dump.golden import codec
 
 REFERENCE_FILE = "input_shardings.json"
 # `name: dtype[4,2048]`; in explicit mode a dimension carries its mesh axes too (`6@fsdp`).
@@ -161,5 +161,5 @@ def compare_trees(reference_root: Path, golden_root: Path, activation_file: str)
             results[folder.as_posix()] = Comparison(missing=f"no {activation_file} in {ours_path.parent} "
                                                             "(is the case in the matrix?)")
             continue
-        results[folder.as_posix()] = compare(load_reference(path), serialize.read_document(ours_path))
+        results[folder.as_posix()] = compare(load_reference(path), codec.read_document(ours_path))
     return results

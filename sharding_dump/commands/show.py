@@ -10,12 +10,16 @@ mesh axes of size 1 (they split nothing) unless asked for the spec exactly as th
 
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Any
 
-from sharding_dump import diff, state, tables
+from sharding_dump.commands import options, tables
 from sharding_dump.core import specs
-from sharding_dump.case import Case
-from sharding_dump.dump import case_layouts
+from sharding_dump.golden import diff
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import case_layouts
 
 GROUP_ORDER = {"params": 0, "opt_state": 1}
 
@@ -43,3 +47,16 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
              else " (no HBM limit known for this topology)")
     lines.append(f"per device: {parts}; total {tables.format_bytes(totals['total'])}{limit}")
     return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_case_options(parser)
+    parser.add_argument("--full-specs", action="store_true",
+                        help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
+    options.add_settings_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    (case,) = options.cases_of(args, "shows", options.project_of(args))
+    sys.stdout.write(render_case_table(case, full_specs=args.full_specs))
+    return 0

@@ -10,9 +10,9 @@ requires: each axis size a product of whole physical axes (chip grid x, y, z and
 that no other axis uses. The check runs JAX's own device-mesh builder over stand-in devices with the
 slice's coordinates (:func:`check_torus`); `cpu-N` and GPU hosts take any shape.
 
->>> from sharding_dump.rules import load_rule
->>> from sharding_dump.topology import load_topology
->>> from sharding_dump.settings import resolve
+>>> from sharding_dump.zoo.rules import load_rule
+>>> from sharding_dump.zoo.topology import load_topology
+>>> from sharding_dump.zoo.settings import resolve
 >>> plan = plan_mesh(load_rule("pure-fsdp"), load_topology("tpu7x-16384"), resolve(()))
 >>> plan.axis_names, plan.shape
 (('fsdp',), (16384,))
@@ -27,13 +27,15 @@ import re
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax._src import mesh_utils  # the builder MaxText's create_device_mesh calls; pinned jax version
+from jax._src import (
+    mesh_utils,  # the builder MaxText's create_device_mesh calls; pinned jax version
+)
 from jax.sharding import AbstractMesh, AxisType
 
 from sharding_dump.errors import BadInput
-from sharding_dump.rules import RuleSet
-from sharding_dump.settings import parallelism_axis, parallelism_key, value_of
-from sharding_dump.topology import Topology
+from sharding_dump.zoo.rules import RuleSet
+from sharding_dump.zoo.settings import parallelism_axis, parallelism_key, value_of
+from sharding_dump.zoo.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)

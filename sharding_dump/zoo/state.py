@@ -29,14 +29,28 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding_dump import models, rules
+from sharding_dump import models
 from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
-    TensorLayout, indivisible, leaves, path_text, per_device_totals, tensor_layouts as core_tensor_layouts)
-from sharding_dump.core.layout import _is_box, unbox
+    TensorLayout,
+    indivisible,
+    is_box,
+    leaves,
+    path_text,
+    per_device_totals,
+    unbox,
+)
+from sharding_dump.core.layout import PartitionRuleError
+from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
-from sharding_dump.core.state import abstract_train_state, as_model, default_optimizer, parameter_count  # noqa: F401
+from sharding_dump.core.state import (  # noqa: F401
+    abstract_train_state,
+    as_model,
+    default_optimizer,
+    parameter_count,
+)
 from sharding_dump.errors import BadInput
-from sharding_dump.mesh import MeshPlan
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 DATA_AXIS = "data"
@@ -88,7 +102,10 @@ def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSe
     def zero1(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
         return over_data(spec, shape, sizes) if is_optimizer_leaf(path) else spec
 
-    return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
+    try:
+        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
+    except PartitionRuleError as err:  # a rule file's partition rule that does not fit the model
+        raise BadInput(str(err)) from None
 
 
 def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
@@ -116,8 +133,8 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
 
     def init(key: jax.Array) -> dict[str, Any]:
         tokens = jnp.zeros(INIT_SHAPE, jnp.int32)
-        params = jax.tree.map(place, model.init(key, tokens, tokens)["params"], is_leaf=_is_box)
-        opt_state = jax.tree.map(slot, template, tx.init(unbox(params)), is_leaf=_is_box)
+        params = jax.tree.map(place, model.init(key, tokens, tokens)["params"], is_leaf=is_box)
+        opt_state = jax.tree.map(slot, template, tx.init(unbox(params)), is_leaf=is_box)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
 
     key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it

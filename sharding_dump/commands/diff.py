@@ -2,7 +2,7 @@
 
 OLD and NEW are two case folders (say the same model under two rules) or two golden trees (say a
 checkout of main and the working tree, paired by case folder). Every golden document is read and
-schema-checked, then compared with :func:`sharding_dump.diff.diff_documents`; this module only
+schema-checked, then compared with :func:`sharding_dump.golden.diff.diff_documents`; this module only
 gathers the findings per case and lays them out as text, GitHub markdown (ready to paste as a
 pull-request comment) or JSON. Optimizer slots that changed exactly like their parameter are folded
 under it, as in the pytest report.
@@ -10,22 +10,23 @@ under it, as in the pytest report.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
+import sys
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
-from sharding_dump import diff, serialize, tables
+from sharding_dump.commands import options, tables
 from sharding_dump.core import specs
+from sharding_dump.core.format import ACTIVATIONS_FILE, GOLDEN_FILE_NAMES, NAMED_FILE
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import GOLDEN_FILE_NAMES, display
+from sharding_dump.golden import codec, diff
+from sharding_dump.golden.engine import display
 
-NAMED_FILE = "named_shardings.json"
-ACTIVATIONS_FILE = "activation_shardings.json"
 LAYOUT_FIELDS = ("partition_spec", "per_device_shape", "per_device_bytes")  # shown as columns
 MAX_ROWS = 100  # per case in text and markdown; JSON has every row
-FORMATS = ("text", "markdown", "json")
 GITHUB_COMMENT_CHARS = 65_536  # the largest comment GitHub takes: markdown's default --max-chars
 
 
@@ -115,7 +116,7 @@ def upgrade_named(doc: dict[str, Any]) -> dict[str, Any]:
 def _read(folder: Path | None) -> dict[str, dict[str, Any]]:
     if folder is None:
         return {}
-    return {name: upgrade_named(serialize.read_document(folder / name)) for name in _golden_files(folder)}
+    return {name: upgrade_named(codec.read_document(folder / name)) for name in _golden_files(folder)}
 
 
 def tensor_bytes(entry: dict[str, Any] | None) -> int | None:
@@ -310,14 +311,6 @@ def _folded(report: CaseReport, fmt: str, max_rows: int, first: bool = False) ->
     return "\n".join([f"{opening}<summary><code>{label}</code>: {head}</summary>", "", *lines[1:], "", "</details>"])
 
 
-def golden_summary(counts: Mapping[str, int]) -> str:
-    """What an update did to the goldens, one line (`sharding-dump goldens: 1 updated, 2 created, ...`).
-
-    >>> golden_summary({"created": 2, "unchanged": 5})
-    'sharding-dump goldens: 0 updated, 2 created, 5 unchanged, 0 deleted'
-    """
-    return "sharding-dump goldens: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
-                                                  ("updated", "created", "unchanged", "deleted"))
 
 
 def render_json(reports: list[CaseReport]) -> str:
@@ -338,9 +331,30 @@ def render_json(reports: list[CaseReport]) -> str:
                          "other": {k: list(v) for k, v in row.other.items()}} for row in r.rows],
         } for r in reports],
     }
-    return serialize.canonical_bytes(doc).decode("utf-8")
+    return codec.canonical_bytes(doc).decode("utf-8")
 
 
 def render(reports: list[CaseReport], fmt: str, max_chars: int | None = None) -> str:
-    """The report in one of FORMATS (`max_chars`: see :func:`render_text`; JSON is never cut)."""
+    """The report in one of options.REPORT_FORMATS (`max_chars`: see :func:`render_text`; JSON is never cut)."""
     return render_json(reports) if fmt == "json" else render_text(reports, fmt, max_chars)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("old", metavar="OLD", help="case folder or golden tree before the change")
+    parser.add_argument("new", metavar="NEW", help="case folder or golden tree after the change")
+    options.add_format_option(parser)
+    parser.add_argument("--max-chars", type=int, metavar="N",
+                        help=f"cut the text or markdown report to N characters, keeping the summary table "
+                             f"(markdown default: {GITHUB_COMMENT_CHARS:,}, what a GitHub comment takes)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 1 when anything differs, 0 when nothing does."""
+    if args.max_chars is not None and (args.format == "json" or args.max_chars < 1000):
+        raise BadInput(f"--max-chars {args.max_chars}: takes a number >= 1000, with --format text or markdown")
+    limit = args.max_chars
+    if limit is None and args.format == "markdown":
+        limit = GITHUB_COMMENT_CHARS
+    reports = compare(args.old, args.new)
+    sys.stdout.write(render(reports, args.format, limit))
+    return 1 if any(r.status != "identical" for r in reports) else 0

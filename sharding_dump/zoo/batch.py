@@ -7,10 +7,10 @@ the `context_sharding` axis, which splits the sequence instead (under ep-as-cp t
 Inside the step the batch is constrained to the rule's `input_data_sharding_logical_axes`. Both
 layouts must split the batch evenly: a real input pipeline cannot build the global array otherwise.
 
->>> from sharding_dump.rules import load_rule
->>> from sharding_dump.mesh import plan_mesh
->>> from sharding_dump.settings import parse_overrides, resolve
->>> from sharding_dump.topology import load_topology
+>>> from sharding_dump.zoo.rules import load_rule
+>>> from sharding_dump.zoo.mesh import plan_mesh
+>>> from sharding_dump.zoo.settings import parse_overrides, resolve
+>>> from sharding_dump.zoo.topology import load_topology
 >>> rule = load_rule("ep-as-cp")
 >>> overrides = parse_overrides({"ici_expert_parallelism": 2, "per_device_batch_size": 0.5})
 >>> values = resolve(overrides)
@@ -28,9 +28,10 @@ from typing import Any, Mapping
 
 from jax.sharding import PartitionSpec
 
-from sharding_dump import rules, serialize
+from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
-from sharding_dump.mesh import MeshPlan
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.mesh import MeshPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ class BatchPlan:
             "per_device_batch_size": self.per_device_batch_size,
             "global_batch_size": self.global_batch_size,
             "max_target_length": self.max_target_length,
-            "data_pipeline_spec": serialize.spec_to_json(self.pipeline_spec, 2),
+            "data_pipeline_spec": specs.spec_to_json(self.pipeline_spec, 2),
         }
 
 

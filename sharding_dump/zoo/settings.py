@@ -187,7 +187,7 @@ def _parse(spec: SettingSpec, raw: Any) -> Value:
     if spec.type == "reference":
         if raw == spec.default:
             return raw
-        from sharding_dump.model_ref import is_reference
+        from sharding_dump.zoo.model_ref import is_reference
 
         if isinstance(raw, str) and is_reference(raw.strip()):
             return raw.strip()

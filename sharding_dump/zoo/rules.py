@@ -22,14 +22,14 @@ import flax.linen as nn
 from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
 from jax.sharding import PartitionSpec
 
-from sharding_dump import settings as settings_mod
+from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
+from sharding_dump.core.layout import PathRule, match_path_rule
 from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
 from sharding_dump.core.specs import rule_axes
-from sharding_dump.core.documents import ACTIVATIONS_FILE as ACTIVATIONS, LOGICAL_FILE as LOGICAL
-from sharding_dump.core.layout import PathRule, match_path_rule
 from sharding_dump.errors import BadInput, shown
-from sharding_dump.golden import display
+from sharding_dump.golden.engine import display
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
+from sharding_dump.zoo import settings as settings_mod
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -269,7 +269,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
     A rule file written for other logical names dumps everything replicated without an error."""
-    named = docs["named_shardings.json"]
+    named = docs[NAMED_FILE]
     sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
     warnings = []
@@ -288,7 +288,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     if unused:
         warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
                         f"carries: {', '.join(unused)}")
-    state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL]["tensors"].items()]
+    state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL_FILE]["tensors"].items()]
     unplaced = unplaced_parameters(rule_set, state)
     if unplaced and math.prod(sizes.values()) > 1:
         warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
@@ -301,9 +301,9 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append("logical axes that do not fit the tensor's rank: " + ", ".join(
             f"{path} ({axes} names, rank {rank})" for path, axes, rank in mismatched[:3])
             + (f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""))
-    if ACTIVATIONS in docs and not model_constraints(docs[ACTIVATIONS]):
+    if ACTIVATIONS_FILE in docs and not model_constraints(docs[ACTIVATIONS_FILE]):
         warnings.append("the model placed no activation sharding constraint in its training step: "
-                        f"{ACTIVATIONS} holds only the batch (a helper gated on a mesh the harness does not "
+                        f"{ACTIVATIONS_FILE} holds only the batch (a helper gated on a mesh the harness does not "
                         "set, or shardings given only to jit, are not seen)")
     return warnings
 

@@ -15,9 +15,9 @@ import functools
 import math
 import re
 
-from sharding_dump import settings
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, MAX_DIGITS, read_text
+from sharding_dump.zoo import settings
 
 TOPOLOGIES_FILE = DATA_DIR / "topologies.tsv"
 COLUMNS = ("name", "platform", "chip", "devices_per_slice", "devices_per_host", "hbm_gib_per_device", "torus",

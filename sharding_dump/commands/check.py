@@ -14,26 +14,31 @@
   size > 1, i.e. held whole by every device;
 - memory: params + optimizer state per device above the topology's HBM per device.
 
-Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.rules.deciding_rule`),
+Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.zoo.rules.deciding_rule`),
 and where that rule was written from the rule set's origins (file:line of the rule file or model card).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
+import time
 from typing import Any, Iterable
 
 import jax.numpy as jnp
 
-from sharding_dump import diff, models, rules, state, tables
-from sharding_dump.case import Case
-from sharding_dump.dump import CaseSetup, case_layouts, trace_activations
+from sharding_dump import models
+from sharding_dump.commands import options, tables
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import display
+from sharding_dump.golden import diff
+from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
-from sharding_dump.state import TensorLayout, per_device_totals
+from sharding_dump.zoo import rules, state
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import CaseSetup, case_layouts, trace_activations
+from sharding_dump.zoo.state import TensorLayout, per_device_totals
 
 LINT_FILE = DATA_DIR / "lint.yml"
 TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
@@ -303,3 +308,30 @@ def render_findings(case: Case, findings: Iterable[Finding]) -> str:
         return f"{case.label}: clean"
     head = f"{case.label}: {len(findings)} finding{'' if len(findings) == 1 else 's'}"
     return "\n".join([head] + [f.render() for f in findings])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_case_options(parser, "check every case of the case matrix")
+    parser.add_argument("--replicated-tolerance", metavar="F",
+                        help="largest share of parameter bytes that may be replicated on every device, as a "
+                             "fraction or a percentage (default: data/lint.yml, 2%%)")
+    options.add_settings_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 1 on any finding, 0 when clean."""
+    tolerance = None if args.replicated_tolerance is None else parse_tolerance(args.replicated_tolerance)
+    cases = options.cases_of(args, "checks", options.project_of(args))
+    lint_settings()  # a broken data/lint.yml is bad input before any output
+    found = 0
+    for index, case in enumerate(cases, 1):
+        start = time.perf_counter()
+        findings = lint_case(case, tolerance)
+        found += len(findings)
+        head, _, rest = render_findings(case, findings).partition("\n")
+        options.progress(index, len(cases), head, start)
+        if rest:
+            print(rest, flush=True)
+    if len(cases) > 1:
+        print(f"{len(cases)} cases checked, {found} finding{'' if found == 1 else 's'}")
+    return 1 if found else 0

@@ -1,6 +1,6 @@
 """From a Case to its golden documents: topology -> rule -> mesh -> model -> state -> JSON.
 
->>> from sharding_dump.case import Case
+>>> from sharding_dump.zoo.case import Case
 >>> docs = dump_case(Case.make("qwen3-0.6b", "tpu7x-16", "pure-fsdp"))
 >>> sorted(docs)
 ['activation_shardings.json', 'logical_shardings.json', 'named_shardings.json']
@@ -17,21 +17,25 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from sharding_dump import models, optimizers, rules, serialize, settings, state
-from sharding_dump.batch import BatchPlan, plan_batch
-from sharding_dump.case import Case
-from sharding_dump.errors import BadInput, UnevenSplitWarning
-from sharding_dump.models.pipeline import pipeline_rules, plan_pipeline, stage_before_data
-from sharding_dump.mesh import MeshPlan, plan_mesh
-from sharding_dump.models.config import card_path
-from sharding_dump.topology import Topology, load_topology
-
-from sharding_dump.core import documents
+from sharding_dump import models
+from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
 from sharding_dump.core.state import Model, as_model
 from sharding_dump.core.step import Step, abstract_batch, next_token_step
-from sharding_dump.model_ref import load_factory
-from sharding_dump.core.documents import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE  # noqa: F401
+from sharding_dump.errors import BadInput, UnevenSplitWarning
+from sharding_dump.golden import codec
+from sharding_dump.models.config import card_path
+from sharding_dump.models.pipeline import (
+    pipeline_rules,
+    plan_pipeline,
+    stage_before_data,
+)
+from sharding_dump.zoo import optimizers, rules, settings, state
+from sharding_dump.zoo.batch import BatchPlan, plan_batch
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
+from sharding_dump.zoo.model_ref import load_factory
+from sharding_dump.zoo.topology import Topology, load_topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,7 @@ def _check_even_splits(setup: CaseSetup) -> None:
                                    setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
-        spec = serialize.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
+        spec = specs.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
         raise BadInput(f"shard_mode=explicit: {layout.path} dimension {dim} (size {layout.shape[dim]}) does not "
                        f"split evenly over {spec} ({layout.shards(dim)} shards); explicit mode needs even "
                        f"splits (shard_mode=auto pads them)")
@@ -222,4 +226,4 @@ def trace_activations(setup: CaseSetup) -> list[Constraint]:
 
 def render_case(case: Case) -> dict[str, bytes]:
     """The exact bytes of every golden file of `case`."""
-    return serialize.render(dump_case(case))
+    return codec.render(dump_case(case))

@@ -1,6 +1,6 @@
 """The child process of `sharding-dump verify`: compiles one case's training step and writes its figures.
 
-    python -m sharding_dump.verify_child WORK_DIR
+    python -m sharding_dump.commands.verify.child WORK_DIR
 
 It runs in its own process because the number of fake CPU devices (`XLA_FLAGS=
 --xla_force_host_platform_device_count=N`, set by the parent) must be fixed before jax starts. It
@@ -29,7 +29,7 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
     from jax.experimental import mesh_utils
     from jax.sharding import AxisType, Mesh
 
-    from sharding_dump.mesh import device_grid
+    from sharding_dump.zoo.mesh import device_grid
 
     axis_types = (AxisType.Auto,) * len(parts.axis_names)
     shape = tuple(i * d for i, d in zip(parts.ici, parts.dcn))
@@ -53,10 +53,10 @@ def _spec(items: list[Any]) -> Any:
 
 
 def _spec_json(sharding: Any, ndim: int) -> Any:
-    from sharding_dump import serialize
+    from sharding_dump.core import specs
 
     spec = getattr(sharding, "spec", None)
-    return serialize.spec_to_json(spec, ndim) if spec is not None else str(sharding)
+    return specs.spec_to_json(spec, ndim) if spec is not None else str(sharding)
 
 
 def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: Any) -> list[list[Any]]:
@@ -65,7 +65,7 @@ def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: 
     import jax
     from jax.sharding import NamedSharding
 
-    from sharding_dump.verify import leaf_path
+    from sharding_dump.commands.verify.step import leaf_path
 
     if golden is None:
         return []
@@ -93,16 +93,17 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from sharding_dump import verify
-    from sharding_dump.case import Case
+    from sharding_dump.commands.verify import hlo as hlo_text
+    from sharding_dump.commands.verify.step import build_step, leaf_path
     from sharding_dump.core.legacy_mesh import legacy_mesh
+    from sharding_dump.zoo.case import Case
 
     c = request["case"]
     case = Case.make(c["model"], c["topology"], c["rule"], c["num_slices"], c["overrides"])
-    parts = verify._build_step(case)
+    parts = build_step(case)
     mesh = _mesh(parts, request["tpu_topology"] if request["tpu"] else None, case.num_slices)
     state_shardings = jax.tree_util.tree_map_with_path(
-        lambda key, _: NamedSharding(mesh, parts.state_specs[verify.leaf_path(key)]), parts.state)
+        lambda key, _: NamedSharding(mesh, parts.state_specs[leaf_path(key)]), parts.state)
     batch_shardings = {name: NamedSharding(mesh, parts.batch_spec) for name in parts.batch}
     answer: dict[str, Any] = {"jax_version": jax.__version__}
     with tempfile.TemporaryDirectory(prefix="verify-dump-") as dump_dir:
@@ -121,13 +122,13 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             memory = compiled.memory_analysis()
             answer["memory"] = {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
                                 "alias": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes}
-            hlo = compiled.as_text()
-            traffic = verify.collectives(hlo)
-            answer["replicated"] = [vars(v) for v in verify.gathered_values(hlo, request["threshold"], parts.stacks)]
+            program = compiled.as_text()
+            traffic = hlo_text.collectives(program)
+            answer["replicated"] = [vars(v) for v in hlo_text.gathered_values(program, request["threshold"], parts.stacks)]
             answer["collectives"] = {k: {"count": t.count, "bytes": t.bytes} for k, t in traffic.items()}
             answer["mismatches"] = _mismatches(compiled, parts.state, request["golden"], mesh)
         if propagated:
-            values = verify.replicated_values(propagated[-1].read_text(encoding="utf-8"), request["threshold"])
+            values = hlo_text.replicated_values(propagated[-1].read_text(encoding="utf-8"), request["threshold"])
             answer["replicated"] = [vars(v) for v in values] + answer.get("replicated", [])
         elif compiled is not None:
             answer["compile_error"] = "no module after sharding propagation was dumped; cannot check replicated values"

@@ -20,10 +20,10 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from sharding_dump import rules, settings, topology
 from sharding_dump.errors import BadInput
-from sharding_dump.model_ref import ModelRef, parse_model_ref
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
+from sharding_dump.zoo import rules, settings, topology
+from sharding_dump.zoo.model_ref import ModelRef, parse_model_ref
 
 CASES_FILE = DATA_DIR / "cases.yml"
 MAX_NAME_CHARS = 230  # of a case folder name: its temp twin (".<name>.new-<pid>-<8 hex>") stays within 255 bytes
