@@ -131,15 +131,20 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:map", _StrictLoader.construct_y
 def load_yaml(path: Path, what: str = "file") -> Any:
     """Reads a YAML file with the strict safe loader; a missing, oversized, non-regular or malformed
     file is BadInput naming the file (and the line)."""
-    text = read_text(path, what, YAML_MAX_BYTES)
+    return parse_yaml(read_text(path, what, YAML_MAX_BYTES), f"{what} {path}:")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text (a file's, or one value a user typed) through the strict safe loader; malformed text
+    is BadInput starting with `where` (and naming the line)."""
     try:
         _check_events(text)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
+        line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "not valid YAML"
-        raise BadInput(f"{what} {path}:{where} not valid YAML ({problem})") from None
+        raise BadInput(f"{where}{line} not valid YAML ({problem})") from None
 
 
 def _json_int(text: str) -> int:

@@ -1,6 +1,7 @@
 """The `sharding-dump` command.
 
     sharding-dump --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...] [--golden-dir DIR]
+    sharding-dump --maxtext-config RUN.yml [--topology T] [--num-slices N] [MAXTEXT_KEY=VALUE ...]
     sharding-dump --all [--cases FILE ...] [--golden-dir DIR]
     sharding-dump list models|topologies|rules|settings
     sharding-dump diff OLD NEW [--format text|markdown|json] [--max-chars N]
@@ -14,7 +15,8 @@ the nearest pyproject.toml (:mod:`sharding_dump.zoo.project`); --golden-dir and 
 subcommand is a module of this package with `add_arguments(parser)` and `run(args) -> exit status`;
 the options they share are built by :mod:`sharding_dump.commands.options`.
 
-CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump.
+CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump, or a MaxText
+run configuration: --maxtext-config RUN.yml [--topology T] [KEY=VALUE ...] (:mod:`sharding_dump.zoo.maxtext_config`).
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
 or `check` a finding, 2 on bad input (one line on stderr, nothing written).
 """

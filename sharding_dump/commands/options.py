@@ -6,8 +6,8 @@ its settings, the golden folder and a report format the same way.
 >>> add_settings_argument(parser)
 >>> args = parser.parse_args(["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp",
 ...                           "ici_fsdp_parallelism=-1"])
->>> args.model, args.num_slices, args.settings
-('llama2-7b', 1, ['ici_fsdp_parallelism=-1'])
+>>> args.model, args.topology, args.settings
+('llama2-7b', 'v5p-16', ['ici_fsdp_parallelism=-1'])
 >>> parser.parse_args(["--num-slices", "two"])
 Traceback (most recent call last):
 sharding_dump.errors.BadInput: argument --num-slices: 'two' is not a whole number (see sharding-dump show --help)
@@ -16,10 +16,11 @@ sharding_dump.errors.BadInput: argument --num-slices: 'two' is not a whole numbe
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import TYPE_CHECKING
 
-from sharding_dump.errors import BadInput, shown
+from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.resources import MAX_DIGITS
 
 if TYPE_CHECKING:  # the commands import what they need when they run
@@ -52,7 +53,12 @@ def add_case_options(parser: argparse.ArgumentParser, all_help: str | None = Non
                                         "package.module:factory")
     parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
     parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
-    parser.add_argument("--num-slices", type=whole_number, default=1, help="number of slices (DCN), default 1")
+    parser.add_argument("--num-slices", type=whole_number, help="number of slices (DCN), default 1")
+    parser.add_argument("--maxtext-config", metavar="RUN.yml",
+                        help="a MaxText run configuration (its base_config chain, the model config model_name "
+                             "names, then MaxText KEY=VALUE), instead of --model and --rule: model_name names the "
+                             "card, custom_mesh_and_rule the rule, compile_topology the topology; every key is "
+                             "honoured, ignored as layout-neutral or refused (data/maxtext_keys.yml)")
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
         parser.add_argument("--cases", action="append", metavar="FILE",
@@ -98,9 +104,13 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
     from sharding_dump.zoo.settings import parse_assignments
 
     if getattr(args, "all", False):
-        if args.model or args.topology or args.rule or args.settings or args.num_slices != 1:
-            raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/KEY=VALUE")
+        if args.model or args.topology or args.rule or args.settings or args.num_slices is not None \
+                or args.maxtext_config:
+            raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/"
+                           f"--maxtext-config/KEY=VALUE")
         cases = project.load_cases()
+    elif args.maxtext_config:
+        cases = [_maxtext_case(args, verb, project)]
     else:
         missing = [flag for flag, value in (("--model", args.model), ("--topology", args.topology),
                                             ("--rule", args.rule)) if not value]
@@ -109,10 +119,26 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
         if getattr(args, "cases", None):
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
-                           args.num_slices, parse_assignments(args.settings))]
+                           1 if args.num_slices is None else args.num_slices, parse_assignments(args.settings))]
     for case in cases:
         setup_case(case)
     return cases
+
+
+def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:
+    """The case of --maxtext-config (KEY=VALUE are MaxText keys); verify says which layout-neutral keys
+    it compiles otherwise than the configuration asks."""
+    from sharding_dump.zoo import maxtext_config
+
+    if args.model or args.rule or getattr(args, "cases", None):
+        raise BadInput("--maxtext-config names the model (model_name) and the rule (custom_mesh_and_rule): "
+                       "drop --model/--rule/--cases")
+    read = maxtext_config.read_case(args.maxtext_config, args.settings, args.topology, args.num_slices,
+                                    project.resolve)
+    if verb == "verifies":
+        for note in read.compiled_notes:
+            print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
+    return read.case
 
 
 def progress(index: int, count: int, line: str, started: float) -> None:
