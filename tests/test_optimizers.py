@@ -55,22 +55,23 @@ def test_a_square_kernel_is_told_apart_by_the_optimizer_own_update():
         "0/mu/wq/0": ("embed",), "0/mu/wq/1": ("heads",)}
 
 
-def _row_sums() -> optax.GradientTransformation:
+def row_sums() -> optax.GradientTransformation:
     """Keeps one vector per square matrix and updates it through a matrix product: the probe cannot
     trace the contraction, so which dimension the vector keeps stays unknown."""
     def init(params):
         return jax.tree.map(lambda p: jnp.zeros(p.shape[:1], p.dtype), params)
 
     def update(grads, state, params=None):
-        return grads, jax.tree.map(lambda g, s: s + (g @ g).sum(axis=1), grads, state)
+        return grads, jax.tree.map(lambda g, s: s + ((g @ g.T).sum(axis=1) if g.ndim == 2 else g * g), grads, state)
 
     return optax.GradientTransformation(init, update)
 
 
 def test_an_ambiguous_leaf_is_said_aloud_and_written_replicated():
     params = {"w": boxed((64, 64), ("embed", "mlp"))}
-    with pytest.warns(core_opt.OptimizerAxesWarning, match=r"optimizer leaf w \(64,\): its dimensions could be any of"):
-        axes = slot_axes(_row_sums(), params)
+    with pytest.warns(core_opt.OptimizerAxesWarning, match=r"1 optimizer leaf could keep more than one set of their "
+                      r"parameter's dimensions .* e.g. optimizer leaf w \(64,\) of w \(64, 64\); written with no"):
+        axes = slot_axes(row_sums(), params)
     assert axes == {"w": (None,)}
 
 
@@ -230,3 +231,26 @@ def test_zero1_splits_every_optimizer_leaf_of_your_own_optimizer(tmp_path, monke
     v_row = named["opt_state/0/v_row/decoder/layers/mlp/wi_0/kernel"]["partition_spec"]
     assert "data" in json.dumps(v_row)
     assert "data" not in json.dumps(named["params/decoder/layers/mlp/wi_0/kernel"]["partition_spec"])
+
+
+def test_ambiguous_leaves_are_one_warning_line_of_the_dump(tmp_path, monkeypatch, capsys):
+    """The linen example's 16 square attention kernels under an optimizer whose update the probe
+    cannot trace: one line for all of them, and the dump still succeeds."""
+    monkeypatch.chdir(REPO)
+    assert cli.main(["--model", "examples.linen_lm:small_lm", "--topology", "cpu-8", "--rule", "examples/rules.yml",
+                     "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "optimizer=tests.test_optimizers:row_sums",
+                     "--output-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sharding-dump: warning: 16 optimizer leaves could keep"), lines
+
+
+def test_explicit_mode_places_factored_moments_as_auto_mode_does(tmp_path):
+    def named(mode: str) -> dict:
+        assert cli.main(["--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", f"shard_mode={mode}",
+                         "optimizer=examples.optimizers:adafactor", "--output-dir", str(tmp_path)]) == 0
+        (path,) = tmp_path.rglob(f"*shard_mode={mode}*/named_shardings.json")
+        return json.loads(path.read_text())["tensors"]
+
+    explicit = named("explicit")
+    assert explicit == named("auto")
+    assert explicit["opt_state/0/v_row/decoder/layers/mlp/wi_0/kernel"]["partition_spec"] != [None, None]

@@ -132,6 +132,7 @@ def attach_slots(opt_state: Any, params: Any, optimizer: Any = None) -> Any:
     a :class:`Slot`. `optimizer` is traced only when a leaf's shape leaves its dimensions ambiguous."""
     known = _parameters(params)
     probe: dict[str, Any] = {}
+    ambiguous: list[str] = []
 
     def probed() -> dict[str, DimMap] | None:
         if "result" not in probe:
@@ -155,15 +156,18 @@ def attach_slots(opt_state: Any, params: Any, optimizer: Any = None) -> Any:
                 dims = traced
             else:
                 dims = (None,) * len(shape)
-                warnings.warn(OptimizerAxesWarning(
-                    f"optimizer leaf {path} {shape}: its dimensions could be any of "
-                    f"{', '.join(str(m) for m in maps)} of parameter {'/'.join(owner)} {param_shape} and the "
-                    "optimizer's update does not tell which; it is written with no logical axes (replicated)"),
-                    stacklevel=3)
+                ambiguous.append(f"{path} {shape} of {'/'.join(owner)} {param_shape}")
         axes = tuple(names[d] if d is not None and d < len(names) else None for d in dims)
         return Slot(leaf, names=axes, parameter="/".join(owner), dims=dims)
 
-    return jax.tree_util.tree_map_with_path(box, opt_state, is_leaf=is_box)
+    boxed = jax.tree_util.tree_map_with_path(box, opt_state, is_leaf=is_box)
+    if ambiguous:
+        more = f" and {len(ambiguous) - 1} more" if len(ambiguous) > 1 else ""
+        warnings.warn(OptimizerAxesWarning(
+            f"{len(ambiguous)} optimizer lea{'ves' if len(ambiguous) > 1 else 'f'} could keep more than one set of "
+            f"their parameter's dimensions and the optimizer's update does not tell which, e.g. optimizer leaf "
+            f"{ambiguous[0]}{more}; written with no logical axes (replicated)"), stacklevel=2)
+    return boxed
 
 
 def _probe(optimizer: Any, params: Any) -> dict[str, DimMap] | None:
