@@ -9,6 +9,8 @@ The public API is small and model-agnostic; everything is imported on first use,
 
 Pieces, for your own step or state:
 
+* :class:`ModelProgram`, :class:`TrainProgram`, :class:`Input`: the training program a factory returns
+  (the model and how to call it, or the user's own init and step);
 * :func:`abstract_train_state`, :func:`as_model`, :func:`parameter_count`: the abstract state;
 * :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set
   (:class:`Rules`: logical axis rules, and :class:`PathRule` regexes for weights without logical axes);
@@ -45,6 +47,10 @@ _EXPORTS = {
     "read_constraints": "sharding_dump.core.capture",
     "Constraint": "sharding_dump.core.capture",
     "next_token_step": "sharding_dump.core.step",
+    "ModelProgram": "sharding_dump.core.program",
+    "TrainProgram": "sharding_dump.core.program",
+    "Input": "sharding_dump.core.program",
+    "ProgramError": "sharding_dump.core.program",
     "golden_documents": "sharding_dump.core.documents",
     "dump_model": "sharding_dump.core.model_dump",
     "spec_to_json": "sharding_dump.core.specs",

@@ -55,23 +55,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def project_of(config: pytest.Config) -> "Project":
-    """The project configuration for this run: [tool.sharding-dump] found from the invocation folder
-    upward, then the ini options. Bad configuration is a usage error (one line, no traceback)."""
+    """The project configuration for this run: [tool.sharding-dump] of the project the paths given to
+    pytest are in (a pyproject.toml named on the command line is its own project), else the nearest one
+    at or above pytest's ini file (its rootdir when there is none), else at or above the invocation
+    folder; then the ini options. So `pytest repo/`, `pytest repo/pyproject.toml::CASE` and a run from
+    `repo/tests` find the same cases. Bad configuration is a usage error (one line, no traceback)."""
     cached = getattr(config, "_sharding_dump_project", None)
     if cached is not None:
         return cached
     from sharding_dump.errors import BadInput
-    from sharding_dump.zoo.project import load_project
+    from sharding_dump.zoo.project import find_pyproject, load_project
 
     base = Path(config.inipath).parent if config.inipath else Path(config.rootpath)
+    invocation = Path(config.invocation_params.dir)
     try:
-        project = load_project(Path(config.invocation_params.dir))
+        around = sorted({source for path in _arg_paths(config)
+                         if (source := find_pyproject(path if path.is_dir() else path.parent))})
+        if len(around) > 1:
+            raise BadInput(f"the paths given are in {len(around)} projects with [tool.sharding-dump] "
+                           f"({', '.join(map(str, around))}): run one project per pytest run")
+        source = next(iter(around), None) or find_pyproject(base.resolve()) or find_pyproject(invocation.resolve())
+        project = load_project(source.parent if source else invocation)
         project = project.with_overrides(config.getini("sharding_dump_cases") or None,
                                          config.getini("sharding_dump_golden_dir") or None, base)
     except BadInput as err:
         raise pytest.UsageError(f"sharding-dump: error: {err}") from None
     config._sharding_dump_project = project  # type: ignore[attr-defined]
     return project
+
+
+def _arg_paths(config: pytest.Config) -> list[Path]:
+    """The existing paths among the run's collection arguments (`path::test` ids cut to the path)."""
+    invocation = Path(config.invocation_params.dir)
+    paths = [(invocation / arg.split("::", 1)[0]).resolve() for arg in config.args]
+    return [path for path in paths if path.exists()]
 
 
 def _anchor(config: pytest.Config) -> Path | None:
@@ -235,6 +252,48 @@ class _Tally:
             terminalreporter.write_line(summary_line(self.counts))
 
 
+class _Collected:
+    """Says so when a project configures cases but none of its golden tests is selected (a CI job
+    that runs `pytest tests/` would otherwise pass while checking no golden)."""
+
+    def __init__(self, anchor: Path, rootpath: Path, in_paths: bool) -> None:
+        self.anchor = anchor
+        self.rootpath = rootpath
+        self.in_paths = in_paths
+        self.seen = False
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.seen = self.seen or any(isinstance(item, (CaseItem, StaleItem)) for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        # under pytest-xdist the workers collect: the controller sees their selected test ids
+        self.seen = self.seen or any((self.rootpath / i.split("::", 1)[0]).resolve() == self.anchor
+                                     for i in ids if "::" in i)
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        if self.seen or hasattr(config, "workerinput"):
+            return
+        why = ("-k/-m deselected all of them" if self.in_paths else
+               f"it is not among the paths given: add {self.anchor.name} to them, or run pytest without paths")
+        terminalreporter.write_line(f"sharding-dump: warning: no golden test ran: {self.anchor} configures "
+                                    f"sharding cases, but {why}", yellow=True, bold=True)
+
+
+def _covered(anchor: Path, paths: Iterable[Path]) -> bool:
+    return any(path == anchor or path in anchor.parents for path in paths)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     project_of(config)  # a bad [tool.sharding-dump] is a usage error before anything runs
     config.pluginmanager.register(_Tally(), "sharding-dump-tally")
+    anchor = _anchor(config)
+    if anchor is None:
+        return
+    # A run without paths (from a subfolder, or with testpaths that leave it out) runs the project's
+    # golden tests too; paths given explicitly are respected, and a warning says what they left out.
+    in_paths = _covered(anchor, _arg_paths(config))
+    if config.args_source is not pytest.Config.ArgsSource.ARGS and not in_paths:
+        config.args.append(str(anchor))
+        in_paths = True
+    config.pluginmanager.register(_Collected(anchor, Path(config.rootpath), in_paths), "sharding-dump-collected")

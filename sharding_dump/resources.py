@@ -144,6 +144,8 @@ def parse_yaml(text: str, where: str) -> Any:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "not valid YAML"
+        if "nesting depth" in problem:  # libyaml's own limit (PyYAML 6.0.4), met before ours in a flow
+            problem = f"nested deeper than {MAX_DEPTH} levels"
         raise BadInput(f"{where}{line} not valid YAML ({problem})") from None
 
 
@@ -235,18 +237,34 @@ def _inlined(node: Any, base: str) -> Any:
     return {key: _inlined(value, base) for key, value in node.items() if key not in ("$id", "$schema", "$defs")}
 
 
-# JSON Schema 2020-12 keywords the compiled validator (draft 7) does not know: it would let them pass.
-_NEWER_KEYWORDS = ("prefixItems", "unevaluatedItems", "unevaluatedProperties", "dependentSchemas",
-                   "dependentRequired", "$dynamicRef", "$dynamicAnchor", "minContains", "maxContains")
+# JSON Schema 2020-12 keywords the compiled validator (draft 7) does not know, and would let pass.
+_NEWER_KEYWORDS = ("unevaluatedItems", "unevaluatedProperties", "dependentSchemas", "dependentRequired",
+                   "$dynamicRef", "$dynamicAnchor", "minContains", "maxContains")
+
+
+def _draft7(node: Any) -> Any:
+    """2020-12's tuple form (`prefixItems`, then `items` for the rest) in draft 7's words (`items` as
+    a list, then `additionalItems`), so the compiled validator checks tuples too."""
+    if isinstance(node, list):
+        return [_draft7(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _draft7(value) for key, value in node.items()}
+    if "prefixItems" in node:
+        rest = node.pop("items", None)
+        node["items"] = node.pop("prefixItems")
+        if rest is not None:
+            node["additionalItems"] = rest
+    return node
 
 
 @functools.cache
 def _compiled(name: str) -> Callable[[Any], Any] | None:
-    """The compiled validator of a schema, None for one that needs a 2020-12 keyword."""
+    """The compiled validator of a schema, None for one that needs a 2020-12 keyword it cannot read."""
     import fastjsonschema
 
     schema_id = f"sharding-dump/{name}.schema.json"
-    schema = _inlined(_schemas()[schema_id], schema_id)
+    schema = _draft7(_inlined(_schemas()[schema_id], schema_id))
     if any(f'"{keyword}"' in json.dumps(schema) for keyword in _NEWER_KEYWORDS):
         return None
     return fastjsonschema.compile(schema, use_formats=False)
@@ -287,10 +305,10 @@ def schema_validator(name: str) -> jsonschema.protocols.Validator:
 
 def validate(instance: Any, schema_name: str, where: str) -> None:
     """Raises BadInput naming `where` and the first failing field when `instance` breaks the schema."""
-    import jsonschema
-
     if is_valid(instance, schema_name):
         return
+    import jsonschema
+
     validator = schema_validator(schema_name)
     error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
     if error is None:

@@ -1,10 +1,12 @@
 """The import rule: every edge between the package's layers points one way, and no module imports a
 private name of another. Read from the source (ast), so an import inside a function counts too.
 
-    base (errors, resources)   core            golden          models          zoo           commands, plugin
-    imports only base          only core       golden, base,   models, core    core, golden, anything below
-                                               core.format,                    models, base
-                                               core.specs (no jax)
+    base           core        golden                  models         zoo                   commands, plugin
+    (errors,       core        golden, core.format,    models, core   core, golden, models  anything below
+    resources)                 core.specs (no jax)
+
+The base (the one-line error and the data-file reader, both without jax) is the floor every layer
+stands on.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ JAX_FREE_CORE = {"sharding_dump.core.format", "sharding_dump.core.specs"}
 # layer -> the layers (or single modules) it may import
 ALLOWED = {
     "base": {"base"},
-    "core": {"core"},
+    "core": {"core", "base"},
     "golden": {"golden", "base", *JAX_FREE_CORE},
-    "models": {"models", "core"},
+    "models": {"models", "core", "base"},
     "zoo": {"zoo", "core", "golden", "models", "base"},
     "commands": {"commands", "zoo", "core", "golden", "models", "base"},
     "plugin": {"commands", "zoo", "golden", "base"},
@@ -108,7 +110,7 @@ def test_the_rule_bites(tmp_path):
     """A forbidden edge, a private import and jax in the golden layer are each reported."""
     bad = {"sharding_dump.core.bad": "from sharding_dump.zoo import case\n",
            "sharding_dump.golden.bad": "import jax\nfrom sharding_dump.golden.store import _fsync_dir\n",
-           "sharding_dump.models.bad": "from sharding_dump.errors import BadInput\n"}
+           "sharding_dump.models.bad": "from sharding_dump.zoo.rules import RuleSet\n"}
     files = {}
     for name, text in bad.items():
         path = tmp_path / (name.replace(".", "_") + ".py")
@@ -118,7 +120,7 @@ def test_the_rule_bites(tmp_path):
     assert any("core imports sharding_dump.zoo.case" in f for f in found), found
     assert any("must not import jax" in f for f in found), found
     assert any("imports private _fsync_dir" in f for f in found), found
-    assert any("models imports sharding_dump.errors" in f for f in found), found
+    assert any("models imports sharding_dump.zoo.rules" in f for f in found), found
 
 
 @pytest.mark.parametrize("module", ["sharding_dump", "sharding_dump.golden.engine", "sharding_dump.golden.stale",

@@ -244,13 +244,69 @@ def test_ambiguous_leaves_are_one_warning_line_of_the_dump(tmp_path, monkeypatch
     assert len(lines) == 1 and lines[0].startswith("sharding-dump: warning: 16 optimizer leaves could keep"), lines
 
 
-def test_explicit_mode_places_factored_moments_as_auto_mode_does(tmp_path):
+def fresh_moments() -> optax.GradientTransformation:
+    """One vector per parameter made as fresh zeros (no sharding to inherit on an Explicit mesh)."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(lambda p: jnp.zeros(p.shape[:1], p.dtype), params), lambda g, s, p=None: (g, s))
+
+
+@pytest.mark.parametrize("optimizer", ["examples.optimizers:adafactor", "tests.test_optimizers:fresh_moments"])
+def test_explicit_mode_places_optimizer_leaves_as_auto_mode_does(tmp_path, monkeypatch, optimizer):
+    monkeypatch.chdir(REPO)
+
     def named(mode: str) -> dict:
         assert cli.main(["--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", f"shard_mode={mode}",
-                         "optimizer=examples.optimizers:adafactor", "--output-dir", str(tmp_path)]) == 0
+                         f"optimizer={optimizer}", "--output-dir", str(tmp_path)]) == 0
         (path,) = tmp_path.rglob(f"*shard_mode={mode}*/named_shardings.json")
         return json.loads(path.read_text())["tensors"]
 
     explicit = named("explicit")
     assert explicit == named("auto")
-    assert explicit["opt_state/0/v_row/decoder/layers/mlp/wi_0/kernel"]["partition_spec"] != [None, None]
+    kept = "opt_state/0/v_row/" if "adafactor" in optimizer else "opt_state/"
+    assert explicit[kept + "decoder/layers/mlp/wi_0/kernel"]["partition_spec"][0] is not None
+
+
+def adafactor_train_program():
+    """A TrainProgram whose own init builds Adafactor's state over boxed parameters, as flax's
+    TrainState.create does: optax carries each kernel's box onto its factored moments."""
+    import sharding_dump as sd
+    from flax.training import train_state
+    from examples.linen_lm import LinenLM
+
+    model = LinenLM(vocab=512, embed=256, layers=1, heads=4, mlp=512)
+    tx = optax.adafactor(1e-3)
+
+    def init(key):
+        params = model.init(key, jnp.ones((1, 8), jnp.int32))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, batch["inputs"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input(), "targets": sd.Input()})
+
+
+def test_a_train_program_own_optimizer_state_follows_its_parameters(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    args = ["--model", "tests.test_optimizers:adafactor_train_program", "--topology", "cpu-8", "--rule",
+            "examples/rules.yml", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]
+    assert cli.main([*args, "--output-dir", str(tmp_path)]) == 0
+    (folder,) = [p.parent for p in tmp_path.rglob("named_shardings.json")]
+    logical = json.loads((folder / "logical_shardings.json").read_text())["tensors"]
+    named = json.loads((folder / "named_shardings.json").read_text())["tensors"]
+    assert logical["opt_state/0/v_row/block_0/up/kernel"]["logical_axes"] == ["embed"]  # not the kernel's two names
+    assert named["opt_state/0/v_col/block_0/up/kernel"]["partition_spec"] == ["tensor"]
+    assert logical["opt_state/0/v/block_0/up/kernel"]["logical_axes"] == [None]
+
+
+def test_a_train_program_takes_no_optimizer_setting(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert_bad_input(tmp_path, capsys, "--model tests.test_optimizers:adafactor_train_program --topology cpu-8 "
+                     "--rule examples/rules.yml optimizer=examples.optimizers:adafactor",
+                     "optimizer=examples.optimizers:adafactor: model 'tests.test_optimizers:adafactor_train_program' "
+                     "is a TrainProgram, whose own train_step runs its optimizer (set it there)")

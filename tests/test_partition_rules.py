@@ -40,6 +40,12 @@ def regex_spec(rule_file, param: str) -> list:
     raise AssertionError(f"no rule for {param}")
 
 
+def plain(docs: dict, pass_: str, module: str) -> list[dict]:
+    """The plain (unnamed) constraints a module placed in one pass, whatever their source location."""
+    return [e for e in docs["activation_shardings.json"]["tensors"].values()
+            if e["pass"] == pass_ and e["module"] == module and e["name"].startswith("sharding_constraint")]
+
+
 def assert_placed_by_regexes(docs: dict, rule_file) -> None:
     named = docs["named_shardings.json"]["tensors"]
     params = {p for p in named if p.startswith("params/")}
@@ -64,11 +70,15 @@ def test_a_regex_placed_llama_gated_on_with_mesh(tmp_path, monkeypatch, capsys):
     assert named["params/transformer/h_1/attention/wo/kernel"]["partition_spec"] == ["mp", "fsdp"]
     assert named["opt_state/0/nu/transformer/wte/embedding"]["partition_spec"] == ["mp", "fsdp"]
     assert docs["logical_shardings.json"]["tensors"]["params/lm_head/kernel"]["logical_axes"] == [None, None]
-    acts = docs["activation_shardings.json"]["tensors"]
-    hidden = acts["forward/transformer/h_0/feed_forward/sharding_constraint"]
+    (hidden,) = plain(docs, "forward", "transformer/h_0/feed_forward")
     assert hidden["partition_spec"] == [["dp", "fsdp"], None, "mp"] and hidden["per_device_shape"] == [24, 2048, 704]
-    assert acts["backward/transformer/h_0/feed_forward/sharding_constraint"]["partition_spec"] == hidden["partition_spec"]
-    assert acts["forward/sharding_constraint"]["shape"] == [96, 2048, 8192]  # the logits
+    (grad,) = plain(docs, "backward", "transformer/h_0/feed_forward")
+    assert grad["partition_spec"] == hidden["partition_spec"]
+    (logits,) = plain(docs, "forward", "")
+    assert logits["shape"] == [96, 2048, 8192]
+    for layer in ("h_0", "h_1"):  # every module with a gated constraint, both passes
+        for module in (f"transformer/{layer}", f"transformer/{layer}/attention", f"transformer/{layer}/feed_forward"):
+            assert plain(docs, "forward", module) and plain(docs, "backward", module), module
 
 
 def test_factored_moments_of_regex_placed_weights_follow_the_kept_dimensions(tmp_path, monkeypatch):
@@ -140,9 +150,9 @@ def test_an_unseen_model_of_that_kind(tmp_path, monkeypatch, capsys):
     assert_placed_by_regexes(docs, rule)
     named = docs["named_shardings.json"]["tensors"]
     assert named["params/blocks/c_fc/kernel"]["per_device_shape"] == [3, 64, 512]  # fsdp=4, model=2
-    acts = docs["activation_shardings.json"]["tensors"]
-    assert acts["forward/blocks/sharding_constraint"]["partition_spec"] == [["replica", "fsdp"], None, "model"]
-    assert "backward/blocks/sharding_constraint" in acts
+    forward = plain(docs, "forward", "blocks")
+    assert forward and all(e["partition_spec"] == [["replica", "fsdp"], None, "model"] for e in forward)
+    assert plain(docs, "backward", "blocks")
 
 
 def test_legacy_mesh_holds_the_mesh_only_inside_the_block():
@@ -170,6 +180,19 @@ class Silent(nn.Module):
 
 def silent() -> Silent:
     return Silent()
+
+
+class SilentPacked(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, segment_ids):
+        return Silent(name="lm")(tokens * (segment_ids > 0))
+
+
+def silent_program():
+    """A program whose extra batch field the harness places: that placement is no model constraint."""
+    import sharding_dump as sd
+
+    return sd.ModelProgram(SilentPacked(), inputs={"segment_ids": sd.Input()})
 
 
 class Misnamed(nnx.Module):
@@ -220,6 +243,16 @@ def test_unplaced_weights_unmatched_regexes_and_no_constraints_are_said(tmp_path
     assert findings["unplaced"].message.startswith("4 parameters carry no logical axes and match no partition rule")
     assert findings["unplaced"].details[0].startswith("params/head/kernel")
     assert findings["partition-rule"].details == (f"rule: {rule}:4",)
+
+
+def test_a_program_whose_model_constrains_nothing_gets_the_notice_too(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    rule = tmp_path / "silent.yml"
+    rule.write_text(SILENT_RULES.replace("embed/embedding", "lm/embed/embedding"))
+    docs = dump(tmp_path / "out", ["--model", "tests.test_partition_rules:silent_program", "--topology", "cpu-8",
+                                   "--rule", str(rule), "ici_model_parallelism=2", "ici_data_parallelism=-1"])
+    assert "forward/segment_ids" in docs["activation_shardings.json"]["tensors"]  # the harness's placement
+    assert "the model placed no activation sharding constraint" in capsys.readouterr().err
 
 
 def test_rank_mismatch_and_a_logical_axis_without_rule(tmp_path, monkeypatch, capsys):
@@ -304,4 +337,38 @@ def test_partition_rules_through_the_core_api():
     assert docs["logical_shardings.json"]["tensors"]["opt_state/0/nu/transformer/h_0/feed_forward/w1/kernel"][
         "logical_axes"] == ["embed", "mlp"]
     assert named["params/lm_head/kernel"]["partition_spec"] == [None, None]
-    assert "forward/transformer/h_0/feed_forward/sharding_constraint" in docs["activation_shardings.json"]["tensors"]
+    assert plain(docs, "forward", "transformer/h_0/feed_forward")
+
+
+def test_explicit_mode_places_regex_weights_and_their_factored_moments_as_auto_mode():
+    """The state traced on an Explicit-axis mesh (core.state.explicit_train_state) carries, in its
+    types, the layouts auto mode resolves: regex-placed weights, their moments, their factored moments."""
+    import optax
+    import sharding_dump as sd
+    from examples.regex_llama import LLaMAConfig, LLaMAForCausalLM
+    from sharding_dump.core.layout import typed_layouts
+    from sharding_dump.core.state import explicit_train_state
+
+    model = sd.as_model(LLaMAForCausalLM(LLaMAConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                                     num_hidden_layers=1, num_attention_heads=4)))
+    rules = sd.Rules(partition_rules=yaml.safe_load((REPO / "examples/regex_llama.yml").read_text())["partition_rules"])
+    sizes, names = (1, 2, 2), ("dp", "fsdp", "mp")
+    layouts = {}
+    for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+        mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=(kind,) * 3)
+        fresh = optax.GradientTransformation(  # moments made as fresh zeros: no sharding to inherit
+            lambda params: jax.tree.map(lambda p: jnp.zeros(p.shape[:1], p.dtype), params), lambda g, s, p=None: (g, s))
+        for opt, tx in (("adamw", optax.adamw(1e-4)), ("adafactor", optax.adafactor(1e-3)), ("fresh", fresh)):
+            if kind == jax.sharding.AxisType.Auto:
+                found = sd.tensor_layouts(sd.abstract_train_state(model.abstract_params(mesh, rules), tx), mesh, rules)
+            else:
+                found = typed_layouts(explicit_train_state(model, mesh, rules, tx), dict(zip(names, sizes)))
+            layouts[kind, opt] = {t.path: tuple(t.partition_spec) + (None,) * (len(t.shape)
+                                                         - len(t.partition_spec)) for t in found}
+    for (kind, opt), specs in layouts.items():
+        assert specs == layouts[jax.sharding.AxisType.Auto, opt], (kind, opt)
+    assert len(layouts) == 6
+    assert layouts[jax.sharding.AxisType.Explicit, "fresh"]["opt_state/transformer/h_0/feed_forward/w1/kernel"] == ("fsdp",)
+    adafactor = layouts[jax.sharding.AxisType.Explicit, "adafactor"]
+    assert adafactor["opt_state/0/v_col/transformer/h_0/feed_forward/w1/kernel"] == ("mp",)
+    assert adafactor["params/transformer/h_0/attention/wo/kernel"] == ("mp", "fsdp")

@@ -69,3 +69,29 @@ def test_readme_adafactor_table_is_what_show_prints(monkeypatch, capsys):
     for line in shown.splitlines():
         if line.strip() and line != "...":
             assert printed[line.split()[0]] == line.split(), line
+
+
+PROGRAMS = REPO.joinpath("README.md").read_text().split("## Your own training program", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_programs_dump(tmp_path, monkeypatch):
+    """Both programs of "Your own training program" dump with the commands shown, with the layouts
+    the text states."""
+    code = re.findall(r"```python\n(.*?)```", PROGRAMS, re.S)[0]
+    (tmp_path / "myprogram.py").write_text(code)
+    (tmp_path / "rules.yml").write_text(block("yaml"))
+    monkeypatch.chdir(tmp_path)
+    commands = re.findall(r"```bash\n(.*?)```", PROGRAMS, re.S)[0].strip().splitlines()
+    docs = {}
+    for line in commands:
+        words = shlex.split(line)
+        assert words[0] == "sharding-dump" and cli.main(words[1:]) == 0
+        model = words[words.index("--model") + 1]
+        folder = next((tmp_path / "golden" / model.replace(":", "-")).rglob("named_shardings.json")).parent
+        docs[model] = {p.name: json.loads(p.read_text())["tensors"] for p in folder.glob("*.json")}
+    for model, doc in docs.items():
+        assert doc["named_shardings.json"]["params/up/kernel"]["partition_spec"] == ["fsdp", "tensor"], model
+        acts = doc["activation_shardings.json"]
+        assert acts["forward/batch.length.mlp"]["partition_spec"] == [["data", "fsdp"], None, "tensor"], model
+        assert acts["forward/inputs_segmentation"]["logical_axes"] == ["batch", "length"], model
+    assert "opt_state/1/0/mu/up/kernel" in docs["myprogram:train_program"]["named_shardings.json"]

@@ -55,39 +55,42 @@ def _force_jax_options() -> None:
         for name, value in JAX_OPTIONS.items():
             jax.config.update(name, value)
 
-# Subcommand -> (module, what it does): the module is imported only when its command runs, so `diff`
-# never loads jax. The dump (no subcommand word) is `sharding_dump.commands.dump`.
+# Command -> (module, what it does): the module is imported only when its command runs, so `diff`
+# never loads jax. `dump` is also what runs when no command word is given.
 COMMANDS = {
+    "dump": ("dump", "write one case's golden JSON (or --all: every case); the default command"),
     "list": ("listing", "list the model cards, topologies, rule files or settings"),
     "diff": ("diff", "compare two case folders or two golden trees, per tensor (text, markdown or json)"),
     "check": ("check", "lint a case: uneven splits, unknown axes, replicated parameters, memory above HBM"),
     "show": ("show", "print one case as a table of every leaf's layout and the totals per device"),
     "verify": ("verify", "compile a case's training step on fake devices (or a TPU topology) and check it"),
 }
-DUMP = ("dump", "write the golden files of one case (or of every case with --all)")
+DEFAULT = "dump"
 
 
-def _parser(name: str | None) -> Parser:
-    """The parser of one command, its description the one line of COMMANDS (the dump's lists them all)."""
-    module, summary = COMMANDS[name] if name else DUMP
-    if name:
+def _parser(name: str, word_given: bool) -> Parser:
+    """The parser of one command, its description the one line of COMMANDS; the dump's `--help` when
+    no command word was given lists every command."""
+    module, summary = COMMANDS[name]
+    if word_given:
         parser = Parser(prog=f"sharding-dump {name}", description=summary[0].upper() + summary[1:] + ".")
     else:
-        listing = "\n".join(f"  {command:<8} {text}" for command, (_, text) in COMMANDS.items())
+        width = max(map(len, COMMANDS))
+        listing = "\n".join(f"  {command:<{width}}  {text}" for command, (_, text) in COMMANDS.items())
         parser = Parser(prog="sharding-dump", formatter_class=argparse.RawDescriptionHelpFormatter,
-                        description=f"Dump the sharding of a model's full training state for one case (or every "
-                                    f"case of the matrix) as golden JSON.\n\ncommands (each with --help):\n"
-                                    f"  {'(none)':<8} {DUMP[1]}\n{listing}")
+                        description="Dump the sharding of a model's full training state for one case (or every "
+                                    "case of\nthe matrix) as golden JSON.",
+                        epilog=f"commands (sharding-dump COMMAND --help for each):\n{listing}")
     importlib.import_module(f"sharding_dump.commands.{module}").add_arguments(parser)
     return parser
 
 
 def run(argv: Sequence[str]) -> int:
     """Parses `argv` and runs its command; BadInput on bad input."""
-    name = argv[0] if argv and argv[0] in COMMANDS else None
-    args = _parser(name).parse_args(argv[1:] if name else argv)
-    module = COMMANDS[name][0] if name else DUMP[0]
-    return importlib.import_module(f"sharding_dump.commands.{module}").run(args)
+    word_given = bool(argv) and argv[0] in COMMANDS
+    name = argv[0] if word_given else DEFAULT
+    args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
+    return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
 
 
 _SHOW_WARNING = warnings.showwarning

@@ -190,7 +190,7 @@ def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
     return next((i for i, r in enumerate(path_rules) if re.search(r.pattern, path)), None)
 
 
-def _place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ...]) -> tuple[LogicalAxes, tuple | None]:
+def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ...]) -> tuple[LogicalAxes, tuple | None]:
     """(logical axes, mesh spec or None) of a parameter without logical axes, by the first path rule."""
     index = match_path_rule(path_rules, key) if shape else None
     if index is None:
@@ -225,7 +225,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
         spec = None
         if path_rules and all(name is None for name in logical):
-            logical, spec = _place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
+            logical, spec = place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
         placed[path[len(prefix):]] = (logical, spec)
     out = []
     for path, leaf in boxed:
@@ -243,6 +243,18 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         else:
             logical, spec = (tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)), None
         out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec))
+    return out
+
+
+def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:
+    """The layout of every leaf of a state traced on an Explicit-axis mesh, read from the sharding
+    each leaf carries in its type (a leaf without one, e.g. a scalar JAX leaves unannotated, is
+    replicated); logical axes from the boxes as :func:`leaves` reads them."""
+    out = []
+    for path, array, logical in leaves(state):
+        sharding = getattr(array, "sharding", None)
+        spec = sharding.spec if sharding is not None else PartitionSpec()
+        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical, spec, dict(sizes)))
     return out
 
 

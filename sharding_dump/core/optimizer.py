@@ -128,46 +128,73 @@ def _dims_of(shape: tuple[int, ...], param_shape: tuple[int, ...]) -> list[DimMa
 
 
 def attach_slots(opt_state: Any, params: Any, optimizer: Any = None) -> Any:
-    """`opt_state` (abstract, unboxed) with every leaf that belongs to a parameter of `params` boxed as
-    a :class:`Slot`. `optimizer` is traced only when a leaf's shape leaves its dimensions ambiguous."""
-    known = _parameters(params)
+    """`opt_state` (abstract) with every leaf that belongs to a parameter of `params` boxed as a
+    :class:`Slot`. `optimizer` is traced only when a leaf's shape leaves its dimensions ambiguous."""
     probe: dict[str, Any] = {}
-    ambiguous: list[str] = []
 
-    def probed() -> dict[str, DimMap] | None:
+    def probed() -> dict[str, DimMap]:
         if "result" not in probe:
-            probe["result"] = _probe(optimizer, params) if optimizer is not None else None
+            probe["result"] = (_probe(optimizer, params) if optimizer is not None else None) or {}
         return probe["result"]
 
-    def box(key_path: Any, leaf: Any) -> Any:
-        shape = tuple(int(d) for d in getattr(leaf, "shape", ()))
-        if not shape or is_box(leaf):
-            return leaf
+    slot = _slotter(_parameters(params), lambda path: probed().get(path))
+    return _warn_ambiguous(slot, jax.tree_util.tree_map_with_path(
+        lambda key_path, leaf: slot(path_text(key_path), leaf), opt_state, is_leaf=is_box))
+
+
+def state_with_slots(state: Any) -> Any:
+    """A whole training state of the user's own (a dict or a `TrainState`: its `params` and
+    `opt_state` parts found by path) with every optimizer leaf re-derived from its parameter, the
+    boxes optax carried onto reshaped leaves (a factored moment keeping its kernel's names) dropped.
+    A state without both parts comes back as it was."""
+    found = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box)
+    params = {path[len("params/"):]: leaf for path, leaf in ((path_text(k), v) for k, v in found)
+              if path.startswith("params/")}
+    if not params or not any(path_text(k).startswith("opt_state/") for k, _ in found):
+        return state
+    slot = _slotter(_parameters(params), lambda path: None)
+
+    def derive(key_path: Any, leaf: Any) -> Any:
         path = path_text(key_path)
-        owner = _owner(path.split("/"), known)
+        return slot(path[len("opt_state/"):], leaf) if path.startswith("opt_state/") else leaf
+
+    return _warn_ambiguous(slot, jax.tree_util.tree_map_with_path(derive, state, is_leaf=is_box))
+
+
+def _slotter(known: dict[tuple[str, ...], Any], traced: Any) -> Any:
+    """(path, leaf) -> the leaf boxed as a Slot of its parameter (or as it was); the ambiguous leaves
+    it met are kept on `.ambiguous`. `traced(path)` is the probe's dimension map of a leaf, if any."""
+
+    def slot(path: str, leaf: Any) -> Any:
+        value = leaf.value if is_box(leaf) else leaf
+        shape = tuple(int(d) for d in getattr(value, "shape", ()))
+        owner = _owner(path.split("/"), known) if shape else None
         if owner is None:
             return leaf
         param_shape, names = known[owner]
         maps = _dims_of(shape, param_shape)
         dims = maps[0]
         if len(maps) > 1:
-            traced = (probed() or {}).get(path)
-            if traced in maps:
-                dims = traced
-            else:
+            dims = traced(path)
+            if dims not in maps:
                 dims = (None,) * len(shape)
-                ambiguous.append(f"{path} {shape} of {'/'.join(owner)} {param_shape}")
+                slot.ambiguous.append(f"{path} {shape} of {'/'.join(owner)} {param_shape}")
         axes = tuple(names[d] if d is not None and d < len(names) else None for d in dims)
-        return Slot(leaf, names=axes, parameter="/".join(owner), dims=dims)
+        return Slot(value, names=axes, parameter="/".join(owner), dims=dims)
 
-    boxed = jax.tree_util.tree_map_with_path(box, opt_state, is_leaf=is_box)
+    slot.ambiguous = []
+    return slot
+
+
+def _warn_ambiguous(slot: Any, result: Any) -> Any:
+    ambiguous = slot.ambiguous
     if ambiguous:
         more = f" and {len(ambiguous) - 1} more" if len(ambiguous) > 1 else ""
         warnings.warn(OptimizerAxesWarning(
             f"{len(ambiguous)} optimizer lea{'ves' if len(ambiguous) > 1 else 'f'} could keep more than one set of "
             f"their parameter's dimensions and the optimizer's update does not tell which, e.g. optimizer leaf "
-            f"{ambiguous[0]}{more}; written with no logical axes (replicated)"), stacklevel=2)
-    return boxed
+            f"{ambiguous[0]}{more}; written with no logical axes (replicated)"), stacklevel=3)
+    return result
 
 
 def _probe(optimizer: Any, params: Any) -> dict[str, DimMap] | None:
@@ -206,4 +233,5 @@ def _probe_dim(entry: Any) -> int | None:
     return int(axes[0][len(_PROBE_AXIS):])
 
 
-__all__ = ["OptimizerAxesWarning", "Slot", "attach_slots", "candidate_dims", "optimizer_state", "slots"]
+__all__ = ["OptimizerAxesWarning", "Slot", "attach_slots", "candidate_dims", "optimizer_state", "slots",
+           "state_with_slots"]

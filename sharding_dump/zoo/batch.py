@@ -4,8 +4,10 @@ The global batch is `per_device_batch_size` x devices and must be a whole number
 per-device size is fine when context parallelism splits the sequence and leaves devices to spare.
 The data pipeline hands each step batches split over the rule file's `data_sharding` axes, except
 the `context_sharding` axis, which splits the sequence instead (under ep-as-cp that is `expert`).
-Inside the step the batch is constrained to the rule's `input_data_sharding_logical_axes`. Both
-layouts must split the batch evenly: a real input pipeline cannot build the global array otherwise.
+Inside the step the batch is constrained to the rule's `input_data_sharding_logical_axes`; a rule
+file without them leaves the batch on the data pipeline's layout (constrained to it, so the traced
+step holds what the golden's `data_pipeline_spec` says). Both layouts must split the batch evenly: a
+real input pipeline cannot build the global array otherwise.
 
 >>> from sharding_dump.zoo.rules import load_rule
 >>> from sharding_dump.zoo.mesh import plan_mesh
@@ -41,7 +43,7 @@ class BatchPlan:
     per_device_batch_size: int | float
     global_batch_size: int
     max_target_length: int
-    logical_axes: tuple[str, str]  # the rule's input_data_sharding_logical_axes
+    logical_axes: tuple[str, str] | None  # the rule's input_data_sharding_logical_axes (None: it has none)
     pipeline_spec: PartitionSpec  # as the data pipeline delivers it
 
     @property
@@ -77,7 +79,7 @@ def plan_batch(rule_set: rules.RuleSet, plan: MeshPlan, values: Mapping[str, Any
         raise BadInput(f"per_device_batch_size={per_device} x {plan.num_devices} devices = {float(total):g}: "
                        "the global batch must be a whole number >= 1")
     logical = rule_set.input_data_sharding_logical_axes
-    if len(logical) != 2:
+    if logical and len(logical) != 2:
         raise BadInput(f"rule file {rule_set.path}: field input_data_sharding_logical_axes: names {len(logical)} "
                        "logical axes; it must name 2 (batch, sequence)")
     context = rule_set.context_sharding
@@ -86,6 +88,8 @@ def plan_batch(rule_set: rules.RuleSet, plan: MeshPlan, values: Mapping[str, Any
     shape = (int(total), int(values["max_target_length"]))
     sizes = plan.sizes
     _check_even("the data pipeline's layout (data_sharding, context_sharding)", pipeline, shape, sizes)
+    if not logical:
+        return BatchPlan(per_device, shape[0], shape[1], None, pipeline)
     _check_even(f"the input layout ({', '.join(logical)})",
                 rules.to_mesh_axes(logical, rule_set.logical_axis_rules), shape, sizes)
     return BatchPlan(per_device, shape[0], shape[1], (logical[0], logical[1]), pipeline)

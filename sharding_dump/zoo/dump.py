@@ -20,8 +20,12 @@ from jax.extend.core import ClosedJaxpr
 from sharding_dump import models
 from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
-from sharding_dump.core.state import Model, as_model
-from sharding_dump.core.step import Step, abstract_batch, next_token_step
+from sharding_dump.core.layout import typed_layouts
+from sharding_dump.core.legacy_mesh import legacy_mesh
+from sharding_dump.core.optimizer import state_with_slots
+from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
+from sharding_dump.core.state import Model, abstract_train_state, as_model, explicit_train_state
+from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.config import card_path
@@ -60,6 +64,16 @@ class CaseSetup:
         """shard_mode=explicit: the state is traced on an Explicit-axis mesh."""
         return self.values["shard_mode"] == "explicit"
 
+    @property
+    def step_explicit(self) -> bool:
+        """The training step too runs on the Explicit-axis mesh: a user's program in explicit mode (a
+        model with sharding in types needs it; the zoo's step stays on the Auto mesh)."""
+        return self.explicit and self.config is None
+
+    def step_mesh(self) -> Any:
+        """The abstract mesh the training step is traced on."""
+        return self.plan.abstract_mesh(explicit=self.step_explicit)
+
 
 def setup_case(case: Case) -> CaseSetup:
     """Resolves topology, rules, settings, mesh and model config; BadInput on anything invalid."""
@@ -95,8 +109,7 @@ def setup_case(case: Case) -> CaseSetup:
 
 
 # Settings that only a built-in model (built from a card) can honour.
-CARD_ONLY_SETTINGS = ("weight_dtype", "shard_mode", "num_pipeline_microbatches", "num_pipeline_repeats",
-                      "pipeline_parallel_layers")
+CARD_ONLY_SETTINGS = ("weight_dtype", "num_pipeline_microbatches", "num_pipeline_repeats", "pipeline_parallel_layers")
 
 
 def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) -> None:
@@ -108,12 +121,18 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
     if plan.sizes.get("stage", 1) > 1:
         raise BadInput(f"stage axis of size {plan.sizes['stage']}: pipeline parallelism is built into the zoo's "
                        f"layer stacks; model {case.model!r} is a user factory (size the stage axis 1)")
+    chosen = [f"{key}={values[key]}" for key, _ in case.overrides if key in ("optimizer", "opt_type")]
+    if chosen and isinstance(factory_program(case.model), TrainProgram):
+        raise BadInput(f"{chosen[0]}: model {case.model!r} is a TrainProgram, whose own train_step runs its "
+                       "optimizer (set it there)")
 
 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    layouts = state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set,
+    auto = _abstract_state(setup.config, setup.optimizer) if setup.config is not None else \
+        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
+    layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
                                    setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
@@ -130,23 +149,56 @@ def _abstract_state(config: models.ModelConfig, tx: Any) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def factory_model(ref: str) -> Model:
-    """The user's model behind a factory reference, built once per process (abstractly)."""
-    return as_model(load_factory(ref))
+def factory_program(ref: str) -> Program:
+    """The user's training program behind a factory reference (a module or module factory is the
+    simplest one), built once per process (abstractly)."""
+    return as_program(load_factory(ref), ref)
 
 
 @functools.lru_cache(maxsize=16)
-def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], tx: Any) -> dict[str, Any]:
-    params = factory_model(ref).abstract_params(plan.abstract_mesh(), rules)
-    return state.abstract_train_state(params, tx)
+def program_model(ref: str) -> Model:
+    """The model of a factory's ModelProgram as the core drives it, built once per process."""
+    program = factory_program(ref)
+    assert isinstance(program, ModelProgram)
+    return program.model_of()
 
 
-def abstract_state_of(setup: CaseSetup) -> dict[str, Any]:
-    """The boxed abstract training state of the case's model (a card's, or a user factory's, whose
-    init runs under the case's mesh and rules as it would in training)."""
+@functools.lru_cache(maxsize=16)
+def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool, tx: Any) -> Any:
+    program = factory_program(ref)
+    mesh = plan.abstract_mesh(explicit=explicit)
+    if isinstance(program, TrainProgram):
+        from sharding_dump.core.layout import rules_of
+        import flax.linen as nn
+        import jax
+
+        key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
+        with jax.sharding.use_abstract_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
+            return program.abstract_state(key)
+    model = program_model(ref)
+    if explicit:
+        return explicit_train_state(model, mesh, rules, tx)
+    return abstract_train_state(model.abstract_params(mesh, rules), tx)
+
+
+def layout_view(setup: CaseSetup, train_state: Any) -> Any:
+    """The state as layouts read it: NNX variables boxed like linen's, and for a TrainProgram (whose
+    own init built its optimizer state over boxed parameters) every optimizer leaf re-derived from its
+    parameter, as the harness derives its own."""
+    view = boxed_view(train_state)
+    if setup.config is None and isinstance(factory_program(setup.case.model), TrainProgram):
+        view = state_with_slots(view)
+    return view
+
+
+def abstract_state_of(setup: CaseSetup) -> Any:
+    """The abstract training state of the case's model: a card's (boxed), or a user program's, whose
+    init runs under the case's mesh and rules as it would in training (on the Explicit-axis mesh in
+    explicit mode, each leaf then carrying its sharding)."""
     if setup.config is not None:
         return _abstract_state(setup.config, setup.optimizer)
-    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.optimizer)
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
+                          setup.optimizer)
 
 
 def header(setup: CaseSetup) -> dict[str, Any]:
@@ -163,10 +215,13 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     rules; explicit mode: read from the state traced on an Explicit-axis mesh)."""
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
-    if setup.explicit:
+    if setup.explicit and setup.config is not None:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
                                                     setup.optimizer)
-    return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
+    boxed = layout_view(setup, abstract_state_of(setup))
+    if setup.explicit:
+        return setup, typed_layouts(boxed, setup.plan.sizes)
+    return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
 
 
 def _uneven_params_first(layouts: list[state.TensorLayout]) -> list[tuple[state.TensorLayout, int]]:
@@ -201,22 +256,55 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
 
 
 def case_model(setup: CaseSetup) -> Model:
-    """The case's model as the core drives it: a built-in card's decoder or the user's factory."""
-    if setup.config is not None:
-        return as_model(models.build_model(setup.config))
-    return factory_model(setup.case.model)
+    """The zoo model of a card case as the core drives it."""
+    assert setup.config is not None
+    return as_model(models.build_model(setup.config))
 
 
 def case_step(setup: CaseSetup) -> Step:
-    """One next-token training step of the case's model: batch constrained to the rule's input axes,
-    forward, backward, optimizer update."""
-    return next_token_step(case_model(setup).apply, setup.optimizer, setup.batch.logical_axes)
+    """One training step of the case: a card's or a ModelProgram's next-token step (batch placed on the
+    rule's input axes, else the data pipeline's layout; forward, backward, optimizer update), or a
+    TrainProgram's own step."""
+    axes, spec = setup.batch.logical_axes, None if setup.batch.logical_axes else setup.batch.pipeline_spec
+    if setup.config is not None:
+        return next_token_step(case_model(setup).apply, setup.optimizer, axes, input_spec=spec)
+    program = factory_program(setup.case.model)
+    if isinstance(program, TrainProgram):
+        return program.step(axes, spec)
+    return program.train_step(program_model(setup.case.model), setup.optimizer, axes, spec)
+
+
+def batch_fields(case: Case) -> dict[str, Any]:
+    """The batch fields of the case's step: the token fields of a card, a program's own (its Input
+    per name; None for a card's token fields)."""
+    if case.model_ref.kind == "factory":
+        return factory_program(case.model).batch_fields()
+    return {name: None for name in BATCH_FIELDS}
+
+
+def case_batch(setup: CaseSetup) -> dict[str, Any]:
+    """The abstract batch of the case: the token fields, or a program's own; on an Explicit-axis mesh
+    each field carries the data pipeline's layout in its type."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    fields = batch_fields(setup.case)
+    out = {}
+    for name, field in fields.items():
+        abstract = field.abstract(*setup.batch.shape) if field is not None else \
+            jax.ShapeDtypeStruct(setup.batch.shape, "int32")
+        if setup.step_explicit:
+            spec = (tuple(setup.batch.pipeline_spec) + (None,) * abstract.ndim)[:abstract.ndim]
+            abstract = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype,
+                                            sharding=NamedSharding(setup.step_mesh(), PartitionSpec(*spec)))
+        out[name] = abstract
+    return out
 
 
 def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
     """The jaxpr of one training step of the case's model on its abstract mesh, and its recording."""
-    return trace(case_step(setup), abstract_state_of(setup), abstract_batch(setup.batch.shape),
-                 mesh=setup.plan.abstract_mesh(), rules=setup.rule_set)
+    return trace(case_step(setup), abstract_state_of(setup), case_batch(setup),
+                 mesh=setup.step_mesh(), rules=setup.rule_set)
 
 
 def trace_activations(setup: CaseSetup) -> list[Constraint]:

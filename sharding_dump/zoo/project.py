@@ -13,7 +13,8 @@ options (`sharding_dump_cases`, `sharding_dump_golden_dir`) override it. Checked
                                           # when no table exists at all)
     rule-dirs = ["sharding/rules"]        # `rule: NAME` also finds sharding/rules/NAME.yml
     card-dirs = ["sharding/cards"]        # `model: NAME` also finds sharding/cards/NAME.yml
-    models = {tiny = "mypkg.models:make_tiny"}  # `model: tiny` is the factory mypkg.models:make_tiny
+    models = {tiny = "mypkg.models:make_tiny"}  # `model: tiny` is the factory mypkg.models:make_tiny,
+                                                # its goldens under golden/tiny/
 
 >>> import tempfile
 >>> root = Path(tempfile.mkdtemp())
@@ -71,7 +72,7 @@ class Project:
         if field == "model":
             factories = dict(self.models)
             if ref in factories:
-                return factories[ref]
+                return f"{ref}={factories[ref]}"  # named: its goldens are under the name, not the factory
             dirs = self.card_dirs
         elif field == "rule":
             dirs = self.rule_dirs

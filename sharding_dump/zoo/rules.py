@@ -34,7 +34,6 @@ from sharding_dump.zoo import settings as settings_mod
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-DEFAULT_INPUT_AXES = ("activation_embed_and_logits_batch", "activation_norm_length")
 BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
 
 
@@ -47,7 +46,7 @@ class RuleSet:
     mesh_axes: tuple[str, ...]
     data_sharding: tuple[str, ...]
     context_sharding: str | None
-    input_data_sharding_logical_axes: tuple[str, ...]
+    input_data_sharding_logical_axes: tuple[str, ...]  # () when the file has none: the batch follows data_sharding
     logical_axis_rules: Rules
     mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
     # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
@@ -141,8 +140,7 @@ def load_rule(ref: str) -> RuleSet:
         mesh_axes=mesh_axes,
         data_sharding=data_sharding,
         context_sharding=context,
-        input_data_sharding_logical_axes=tuple(
-            data.get("input_data_sharding_logical_axes", DEFAULT_INPUT_AXES)),
+        input_data_sharding_logical_axes=tuple(data.get("input_data_sharding_logical_axes", ())),
         logical_axis_rules=rules,
         mesh_rules=tuple(mesh_rules),
         origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
@@ -264,7 +262,8 @@ def _examples(paths: Sequence[str], limit: int = 3) -> str:
     return shown_paths + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
-def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = ()) -> list[str]:
+def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = (),
+                 batch_fields: Iterable[str] | None = None) -> list[str]:
     """Why a dump that worked may still not be what was meant, from its golden documents: rules that
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
@@ -274,7 +273,11 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
     warnings = []
     if math.prod(sizes.values()) > 1:
-        used = {axis for entry in tensors for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
+        # What the rules placed: the state, and activations with logical axes (a batch left on the data
+        # pipeline's layout, or a constraint given in mesh axes, is placed without them).
+        ruled = [entry for entry in tensors if any(name is not None for name in entry.get("logical_axes", ()))
+                 or entry.get("pass") is None]
+        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
         if not any(sizes.get(axis, 1) > 1 for axis in used):
             mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
             warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "
@@ -301,16 +304,18 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append("logical axes that do not fit the tensor's rank: " + ", ".join(
             f"{path} ({axes} names, rank {rank})" for path, axes, rank in mismatched[:3])
             + (f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""))
-    if ACTIVATIONS_FILE in docs and not model_constraints(docs[ACTIVATIONS_FILE]):
+    if ACTIVATIONS_FILE in docs and not model_constraints(docs[ACTIVATIONS_FILE], batch_fields):
         warnings.append("the model placed no activation sharding constraint in its training step: "
                         f"{ACTIVATIONS_FILE} holds only the batch (a helper gated on a mesh the harness does not "
                         "set, or shardings given only to jit, are not seen)")
     return warnings
 
 
-def model_constraints(activations: Mapping[str, Any]) -> list[str]:
-    """Keys of the activation constraints the model placed (not the harness's own on the batch fields)."""
+def model_constraints(activations: Mapping[str, Any], batch_fields: Iterable[str] | None = None) -> list[str]:
+    """Keys of the activation constraints the model placed, not the harness's own placement of the
+    batch fields (default: the token batch's)."""
     from sharding_dump.core.step import BATCH_FIELDS
 
+    fields = set(BATCH_FIELDS if batch_fields is None else batch_fields)
     return [key for key, entry in activations["tensors"].items()
-            if not (entry["module"] == "" and entry["name"] in BATCH_FIELDS)]
+            if not (entry["module"] == "" and entry["name"] in fields)]

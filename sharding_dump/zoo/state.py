@@ -37,6 +37,7 @@ from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the 
     leaves,
     path_text,
     per_device_totals,
+    typed_layouts,
     unbox,
 )
 from sharding_dump.core.layout import PartitionRuleError
@@ -147,9 +148,4 @@ def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: r
                             tx: optax.GradientTransformation | None = None) -> list[TensorLayout]:
     """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs
     (a scalar JAX leaves unannotated is replicated)."""
-    out = []
-    for path, array, logical in leaves(explicit_state(cfg, plan, rule_set, optimizer_over_data, tx)):
-        spec = array.sharding.spec if array.sharding is not None else PartitionSpec()
-        out.append(TensorLayout(path, tuple(array.shape), jnp.dtype(array.dtype).name, logical,
-                                spec, plan.sizes))
-    return out
+    return typed_layouts(explicit_state(cfg, plan, rule_set, optimizer_over_data, tx), plan.sizes)

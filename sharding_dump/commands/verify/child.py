@@ -31,7 +31,7 @@ def _mesh(parts: Any, tpu_topology: str | None, num_slices: int) -> Any:
 
     from sharding_dump.zoo.mesh import device_grid
 
-    axis_types = (AxisType.Auto,) * len(parts.axis_names)
+    axis_types = (AxisType.Explicit if parts.explicit else AxisType.Auto,) * len(parts.axis_names)
     shape = tuple(i * d for i, d in zip(parts.ici, parts.dcn))
     if tpu_topology is None:
         return jax.make_mesh(shape, parts.axis_names, axis_types=axis_types)
@@ -104,12 +104,13 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     mesh = _mesh(parts, request["tpu_topology"] if request["tpu"] else None, case.num_slices)
     state_shardings = jax.tree_util.tree_map_with_path(
         lambda key, _: NamedSharding(mesh, parts.state_specs[leaf_path(key)]), parts.state)
-    batch_shardings = {name: NamedSharding(mesh, parts.batch_spec) for name in parts.batch}
+    batch_shardings = {name: NamedSharding(mesh, PartitionSpec(*(tuple(parts.batch_spec) + (None,) * x.ndim)[:x.ndim]))
+                       for name, x in parts.batch.items()}
     answer: dict[str, Any] = {"jax_version": jax.__version__}
     with tempfile.TemporaryDirectory(prefix="verify-dump-") as dump_dir:
         options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "^shardy-xla$"}
         with jax.set_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(parts.logical_axis_rules):
-            jitted = jax.jit(parts.step, in_shardings=(state_shardings, batch_shardings),
+            jitted = jax.jit(parts.step, in_shardings=(state_shardings, batch_shardings),  # metrics replicated
                              out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
             lowered = jitted.lower(parts.state, parts.batch)
             try:

@@ -24,21 +24,26 @@ class StepParts:
     logical_axis_rules: Any  # made current while the step is traced
     stacks: frozenset[tuple[int, ...]]  # sorted dims of every state leaf stacked over layers (stack_dims)
     allow_split: bool  # allow_split_physical_axes: how the TPU device mesh is built
+    explicit: bool = False  # the step runs on a mesh whose axes are Explicit (a user's program in explicit mode)
 
 
 def build_step(case: Any) -> StepParts:
     """The case's training step from the harness: setup, abstract state, step function, layouts."""
+    import jax
+
     from sharding_dump.core.layout import unbox
-    from sharding_dump.core.step import abstract_batch
     from sharding_dump.zoo import dump
 
+    def untyped(tree: Any) -> Any:  # the compile's in_shardings place them, on the concrete mesh
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
     setup, layouts = dump.case_layouts(case)
-    abstract = unbox(dump.abstract_state_of(setup))
+    abstract = untyped(unbox(dump.abstract_state_of(setup)))
     stacks = stack_dims(layouts, stack_axes())
-    return StepParts(dump.case_step(setup), abstract, abstract_batch(setup.batch.shape),
+    return StepParts(dump.case_step(setup), abstract, untyped(dump.case_batch(setup)),
                      {t.path: t.partition_spec for t in layouts}, setup.batch.pipeline_spec,
                      setup.plan.axis_names, setup.plan.ici, setup.plan.dcn, setup.rule_set.logical_axis_rules,
-                     stacks, bool(setup.values["allow_split_physical_axes"]))
+                     stacks, bool(setup.values["allow_split_physical_axes"]), setup.step_explicit)
 
 
 def leaf_path(key_path: Sequence[Any]) -> str:
