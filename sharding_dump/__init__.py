@@ -12,7 +12,8 @@ Pieces, for your own step or state:
 * :class:`ModelProgram`, :class:`TrainProgram`, :class:`Input`: the training program a factory returns
   (the model and how to call it, or the user's own init and step);
 * :func:`abstract_train_state`, :func:`as_model`, :func:`parameter_count`: the abstract state;
-* :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set;
+* :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set
+  (:class:`Rules`: logical axis rules, and :class:`PathRule` regexes for weights without logical axes);
 * :func:`record_activations`, :func:`constrain`: activation constraints met while tracing;
 * :func:`golden_documents`, :func:`check_or_update_folder`: golden JSON and the check-or-update engine;
 * :class:`Case` and :func:`load_matrix`: a case of the built-in zoo (or of your factory) for the
@@ -38,6 +39,8 @@ _EXPORTS = {
     "leaf_layout": "sharding_dump.core.layout",
     "tensor_layouts": "sharding_dump.core.layout",
     "resolve": "sharding_dump.core.layout",
+    "Rules": "sharding_dump.core.layout",
+    "PathRule": "sharding_dump.core.layout",
     "constrain": "sharding_dump.core.capture",
     "record_activations": "sharding_dump.core.capture",
     "recording": "sharding_dump.core.capture",

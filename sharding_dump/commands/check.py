@@ -3,7 +3,13 @@
 - divisibility: a dimension split over mesh axes whose product does not divide it (XLA pads the last
   shard, or jit refuses the sharding);
 - unknown-name: a rule for a logical axis that no tensor of any model carries and that the trainer does
-  not define either (`data/lint.yml`), usually a typo;
+  not define either (`data/lint.yml`), usually a typo; a user's factory model is judged against its own
+  weights and activations only;
+- unplaced: parameters with no logical axes that no partition rule matches (whole on every device);
+- partition-rule: a partition rule whose regex matches no parameter path;
+- rank: a parameter with more or fewer logical axes than dimensions;
+- no-rule: in a user's model, a dimension named by a logical axis that has no rule at all (whole on
+  every device; MaxText's own rule files leave names out on purpose);
 - replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
   size > 1, i.e. held whole by every device;
 - memory: params + optimizer state per device above the topology's HBM per device.
@@ -31,7 +37,7 @@ from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import rules, state
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.dump import CaseSetup, case_layouts
+from sharding_dump.zoo.dump import CaseSetup, case_layouts, trace_activations
 from sharding_dump.zoo.state import TensorLayout, per_device_totals
 
 LINT_FILE = DATA_DIR / "lint.yml"
@@ -42,7 +48,7 @@ TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
 class Finding:
     """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
 
-    lint: str  # divisibility | unknown-name | replicated | memory
+    lint: str  # divisibility | unknown-name | unplaced | partition-rule | rank | no-rule | replicated | memory
     subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
     message: str
     details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
@@ -146,19 +152,74 @@ def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Fi
             for subject, problems in _fold(per_tensor) for message, rule in problems]
 
 
-def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLayout] = ()) -> list[Finding]:
-    """Rules for logical axes that no tensor of any model (the built-in ones and the case's own)
-    carries and that the trainer does not define."""
+def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLayout] = (),
+                activation_axes: frozenset[str] | None = None) -> list[Finding]:
+    """Rules for logical axes that no tensor carries and that the trainer does not define. A built-in
+    model is judged against every model card and MaxText's trainer names (`known`); a user's factory
+    against its own weights and activations (`activation_axes`) only."""
     own = {n for t in layouts for n in t.logical_axes if n is not None}
-    used = model_logical_axes() | own | known | set(setup.rule_set.input_data_sharding_logical_axes)
+    if setup.config is None:
+        used = own | set(activation_axes or ()) | set(setup.rule_set.input_data_sharding_logical_axes)
+        why = (f"no weight or activation of model {setup.case.model} carries '{{name}}': the rule never applies "
+               "(a typo, or a rule for another model?)")
+    else:
+        used = model_logical_axes() | own | known | set(setup.rule_set.input_data_sharding_logical_axes)
+        why = (f"no tensor of any model ({', '.join(models.model_names())}) carries '{{name}}' and the trainer "
+               f"defines no such axis ({display(LINT_FILE)}): the rule never applies (a typo?)")
     findings = []
     for index, (name, _) in enumerate(setup.rule_set.logical_axis_rules):
         if name not in used:
-            findings.append(Finding(
-                "unknown-name", f"logical axis '{name}'",
-                f"no tensor of any model ({', '.join(models.model_names())}) carries '{name}' and the trainer "
-                f"defines no such axis ({display(LINT_FILE)}): the rule never applies (a typo?)",
-                (f"rule: {rule_text(setup.rule_set, index)}",)))
+            findings.append(Finding("unknown-name", f"logical axis '{name}'", why.format(name=name),
+                                    (f"rule: {rule_text(setup.rule_set, index)}",)))
+    return findings
+
+
+def _leaves(layouts: list[TensorLayout]) -> list[rules.Leaf]:
+    return [(t.path, t.shape, t.logical_axes) for t in layouts]
+
+
+def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """Weights that nothing places, partition rules that match nothing, logical axes that do not fit a
+    tensor's rank, and logical axes with no rule at all: each leaves a weight whole on every device
+    without a word."""
+    rule_set = setup.rule_set
+    by_path = {t.path: t for t in layouts}
+    findings = []
+    unplaced = rules.unplaced_parameters(rule_set, _leaves(layouts))
+    if unplaced:
+        ordered = sorted(unplaced, key=lambda p: (-_global_bytes(by_path[p]), p))
+        listed = [(by_path[p], _global_bytes(by_path[p]), "") for p in ordered[:TOP_TENSORS]]
+        rest = ordered[TOP_TENSORS:]
+        findings.append(Finding(
+            "unplaced", "parameters placed by nothing",
+            f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and match no "
+            f"partition rule of {display(rule_set.path)}: each is whole on every device",
+            _tensor_details(rule_set, listed, len(rest), sum(_global_bytes(by_path[p]) for p in rest), "parameters")))
+    for rule in rules.unmatched_partition_rules(rule_set, _leaves(layouts)):
+        findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
+                                f"matches no parameter path of model {setup.case.model_ref.label} (a typo?)",
+                                (f"rule: {rule.where}",)))
+    for path, count, rank in rules.rank_mismatches(_leaves(layouts)):
+        findings.append(Finding("rank", path, f"{count} logical axes for a tensor of rank {rank}: "
+                                + ("the extra names are dropped" if count > rank else
+                                   "its last dimensions have no name and stay whole"),
+                                (f"logical axes {list(by_path[path].logical_axes)}, shape {list(by_path[path].shape)}",)))
+    if setup.config is not None:  # MaxText's rule files leave names out on purpose (pure-fsdp: mlp whole)
+        return findings
+    ruled = {name for name, _ in rule_set.logical_axis_rules}
+    unruled: dict[str, list[TensorLayout]] = {}
+    for t in layouts:
+        if t.group == "params":
+            for name in dict.fromkeys(n for n in t.logical_axes[:len(t.shape)] if n is not None and n not in ruled):
+                unruled.setdefault(name, []).append(t)
+    for name, tensors in sorted(unruled.items()):
+        ordered = sorted(tensors, key=lambda t: (-_global_bytes(t), t.path))
+        findings.append(Finding(
+            "no-rule", f"logical axis '{name}'",
+            f"{len(tensors)} parameter{'s' if len(tensors) > 1 else ''} name a dimension '{name}', and "
+            f"{display(rule_set.path)} has no rule for it: that dimension is whole on every device",
+            tuple(f"{t.path}  {tables.format_bytes(_global_bytes(t))}" for t in ordered[:TOP_TENSORS])
+            + ((f"... and {len(ordered) - TOP_TENSORS} more parameters",) if len(ordered) > TOP_TENSORS else ())))
     return findings
 
 
@@ -197,14 +258,11 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
     used = totals.get("params", 0) + totals.get("opt_state", 0)
     if used <= hbm:
         return []
-    by_param: dict[str, int] = {}  # a parameter with its optimizer slots
+    by_param = {t.path: t.per_device_bytes for t in layouts if t.group == "params"}  # with its optimizer slots
     for t in layouts:
-        if t.group == "params":
-            by_param[t.path] = by_param.get(t.path, 0) + t.per_device_bytes
-        elif t.group == "opt_state":
-            mirror = diff.slot_parameter(t.path)
-            if mirror and mirror[0] in by_param:
-                by_param[mirror[0]] += t.per_device_bytes
+        mirror = diff.slot_parameter(t.path, by_param) if t.group == "opt_state" else None
+        if mirror:
+            by_param[mirror[0]] += t.per_device_bytes
     layout_of = {t.path: t for t in layouts}
     ordered = sorted(by_param, key=lambda p: (-by_param[p], p))
     listed = [(layout_of[p], by_param[p], " (with its optimizer slots)") for p in ordered[:TOP_TENSORS]]
@@ -222,7 +280,12 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     settings = lint_settings()
     tolerance = settings.replicated_tolerance if tolerance is None else tolerance
     setup, layouts = case_layouts(case)
-    return (check_divisibility(setup, layouts) + check_names(setup, settings.known_logical_axes, layouts)
+    activation_axes = None
+    if setup.config is None:  # a user's model: its own activations name axes its weights may not
+        activation_axes = frozenset(n for c in trace_activations(setup) for n in c.logical_axes if n is not None)
+    return (check_divisibility(setup, layouts)
+            + check_names(setup, settings.known_logical_axes, layouts, activation_axes)
+            + check_placement(setup, layouts)
             + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
 
 

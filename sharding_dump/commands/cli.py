@@ -97,9 +97,10 @@ _SHOW_WARNING = warnings.showwarning
 
 
 def _warning_line(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
-    """Our warnings as one `sharding-dump: warning: ...` line on stderr (the exit status is unchanged)."""
-    if issubclass(category, UnevenSplitWarning):
-        print(f"sharding-dump: warning: {message}", file=sys.stderr, flush=True)
+    """Our warnings (any category this package defines: an uneven split, an optimizer leaf whose axes
+    are ambiguous) as one `sharding-dump: warning: ...` line on stderr (the exit status is unchanged)."""
+    if issubclass(category, UnevenSplitWarning) or category.__module__.startswith("sharding_dump."):
+        print(f"sharding-dump: warning: {one_line(str(message))}", file=sys.stderr, flush=True)
     else:
         _SHOW_WARNING(message, category, *args, **kwargs)  # type: ignore[arg-type]
 

@@ -62,5 +62,8 @@ def _use_warnings(case: Case, folder: Path) -> list[str]:
     from sharding_dump.golden import codec
     from sharding_dump.zoo import rules
 
+    from sharding_dump.zoo.dump import batch_fields
+
     docs = {path.name: codec.read_document(path) for path in sorted(folder.glob("*.json"))}
-    return rules.use_warnings(rules.load_rule(case.rule), docs, check.lint_settings().known_logical_axes)
+    return rules.use_warnings(rules.load_rule(case.rule), docs, check.lint_settings().known_logical_axes,
+                              batch_fields(case))

@@ -54,6 +54,8 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import PartitionSpec
 
+from sharding_dump.core.legacy_mesh import legacy_mesh
+
 FORWARD, BACKWARD = "forward", "backward"
 PLAIN_NAME = "sharding_constraint"  # the name of a plain jax.lax.with_sharding_constraint call
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -616,12 +618,14 @@ def record_activations(fn: Callable[..., Any], *args: Any, mesh: Any, rules: Any
 
 
 def trace(fn: Callable[..., Any], *args: Any, mesh: Any, rules: Any) -> tuple[ClosedJaxpr, Recording]:
-    """The jaxpr of `fn(*args)` traced on `mesh` under `rules`, and its recording."""
+    """The jaxpr of `fn(*args)` traced on `mesh` under `rules`, and its recording. The mesh is also the
+    legacy `with mesh:` one (:mod:`sharding_dump.core.legacy_mesh`), so helpers gated on it constrain."""
     import flax.linen as nn
 
     from sharding_dump.core.layout import rules_of
 
     abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
-    with jax.sharding.use_abstract_mesh(abstract), nn.logical_axis_rules(rules_of(rules)), recording() as rec:
+    with jax.sharding.use_abstract_mesh(abstract), legacy_mesh(abstract), nn.logical_axis_rules(rules_of(rules)), \
+            recording() as rec:
         closed = jax.make_jaxpr(fn)(*args)
     return closed, rec

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
@@ -126,10 +127,11 @@ def unbox(state: Any) -> Any:
 
 
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
-                transform: SpecTransform | None = None) -> TensorLayout:
-    """The layout of one leaf: its logical axes resolved by `rules` on `mesh`."""
+                transform: SpecTransform | None = None, spec: Sequence[Any] | None = None) -> TensorLayout:
+    """The layout of one leaf: its logical axes resolved by `rules` on `mesh`, or `spec` (mesh axes
+    per dimension) when given."""
     shape = tuple(int(d) for d in array.shape)
-    spec = resolve(logical_axes, rules)
+    spec = resolve(logical_axes, rules) if spec is None else PartitionSpec(*spec)
     if transform is not None:
         spec = transform(path, shape, spec)
     spec = NamedSharding(mesh, spec).spec  # the spec exactly as a NamedSharding on this mesh holds it
@@ -137,9 +139,111 @@ def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh:
                         mesh_sizes(mesh))
 
 
+class PartitionRuleError(ValueError):
+    """A path rule that cannot place the parameter it matches (more entries than dimensions)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PathRule:
+    """Places a parameter that carries no logical axes by its path, as `[(regex, PartitionSpec)]`
+    trainers do: the first rule whose `pattern` `re.search`-es the parameter's path (as the goldens
+    write it, without `params/`) gives, per dimension, mesh axes (`spec`) or logical names resolved by
+    the logical axis rules (`logical`). A shorter spec leaves the last dimensions whole, as a
+    PartitionSpec does. `where` names the rule in messages (e.g. `rules.yml:12`)."""
+
+    pattern: str
+    spec: tuple[Any, ...] | None = None
+    logical: tuple[str | None, ...] | None = None
+    where: str = ""
+
+    @property
+    def entries(self) -> tuple[Any, ...]:
+        return self.logical if self.logical is not None else tuple(self.spec or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical axis rules and path rules together, for the core API (a rule file's RuleSet has both).
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> rules = Rules([("embed", "fsdp")], [("attention/w[qkv]/kernel", P("fsdp", "tensor")), (".*", P())])
+    >>> path_rules_of(rules)[0].spec
+    ('fsdp', 'tensor')
+    """
+
+    logical_axis_rules: Sequence[tuple[str, Any]] = ()
+    partition_rules: Sequence[Any] = ()  # PathRule, or (regex, PartitionSpec) pairs
+
+
+def path_rules_of(rules: Any) -> tuple[PathRule, ...]:
+    """The path rules of a rule set (its `partition_rules`: PathRules or `(regex, PartitionSpec)` pairs)."""
+    return tuple(r if isinstance(r, PathRule) else PathRule(r[0], tuple(r[1]))
+                 for r in getattr(rules, "partition_rules", ()))
+
+
+def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
+    """Index of the first rule whose regex is found in `path`, or None.
+
+    >>> match_path_rule([PathRule("attention/w[qkv]/kernel"), PathRule(".*")], "h/0/attention/wq/kernel")
+    0
+    """
+    return next((i for i, r in enumerate(path_rules) if re.search(r.pattern, path)), None)
+
+
+def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ...]) -> tuple[LogicalAxes, tuple | None]:
+    """(logical axes, mesh spec or None) of a parameter without logical axes, by the first path rule."""
+    index = match_path_rule(path_rules, key) if shape else None
+    if index is None:
+        return (None,) * len(shape), None
+    rule = path_rules[index]
+    if len(rule.entries) > len(shape):
+        raise PartitionRuleError(f"partition rule {rule.where or repr(rule.pattern)} ({rule.pattern!r}): "
+                       f"{len(rule.entries)} entries for parameter {key} of rank {len(shape)} {shape}; give at "
+                       f"most {len(shape)} (a regex that matches it less widely, or a rule before it)")
+    pad = (None,) * (len(shape) - len(rule.entries))
+    if rule.logical is not None:
+        return tuple(rule.logical) + pad, None
+    return (None,) * len(shape), tuple(rule.spec or ()) + pad
+
+
 def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform | None = None) -> list[TensorLayout]:
-    """The layout of every leaf of `state` (a pytree of abstract arrays, boxed with logical axes)."""
-    return [leaf_layout(path, array, logical, mesh, rules, transform) for path, array, logical in leaves(state)]
+    """The layout of every leaf of `state` (a pytree of abstract arrays, boxed with logical axes).
+
+    A parameter without logical axes is placed by the rules' path rules (:class:`PathRule`), if any,
+    and the optimizer leaves derived from it (:class:`sharding_dump.core.optimizer.Slot`) follow it."""
+    from sharding_dump.core.optimizer import Slot
+
+    path_rules = path_rules_of(rules)
+    boxed = sorted(((path_text(k), leaf) for k, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box)),
+                   key=lambda item: item[0])
+    prefix = "params/" if isinstance(state, Mapping) and "params" in state else ""
+    placed: dict[str, tuple[LogicalAxes, tuple | None]] = {}  # parameter key -> (logical, mesh spec)
+    for path, leaf in boxed:
+        if isinstance(leaf, Slot) or not path.startswith(prefix):
+            continue
+        array = leaf.value if is_box(leaf) else leaf
+        logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
+        spec = None
+        if path_rules and all(name is None for name in logical):
+            logical, spec = place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
+        placed[path[len(prefix):]] = (logical, spec)
+    out = []
+    for path, leaf in boxed:
+        array = leaf.value if is_box(leaf) else leaf
+        if isinstance(leaf, Slot):
+            param_logical, param_spec = placed.get(leaf.parameter, (None, None))
+            logical = tuple(leaf.names)
+            spec = None
+            if param_logical is not None and all(n is None for n in logical):  # placed by a path rule
+                logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims)
+                if param_spec is not None:
+                    spec = tuple(param_spec[d] if d is not None else None for d in leaf.dims)
+        elif path.startswith(prefix):
+            logical, spec = placed[path[len(prefix):]]
+        else:
+            logical, spec = (tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)), None
+        out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec))
+    return out
 
 
 def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:

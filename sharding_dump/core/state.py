@@ -2,8 +2,8 @@
 
 A model is given as a linen module (its `init` runs under `jax.eval_shape`) or as an NNX module, or a
 factory of one (built under `nnx.eval_shape`). Either way the parameters come back *boxed* with their
-logical axes (flax `Partitioned`), and the optimizer state is built over the boxed parameters, so the
-moments keep the logical axes of their parameter.
+logical axes (flax `Partitioned`); the optimizer state is built over the raw parameters and each of
+its leaves is traced back to its parameter (:mod:`sharding_dump.core.optimizer`).
 
 >>> import flax.linen as nn, jax.numpy as jnp
 >>> class Tiny(nn.Module):
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -30,33 +30,39 @@ import jax.numpy as jnp
 import optax
 
 from sharding_dump.core.capture import note_nnx_modules
-from sharding_dump.core.layout import leaves, unbox
+from sharding_dump.core.layout import is_box, leaves, path_rules_of, path_text, place_by_path, unbox
+from sharding_dump.core.legacy_mesh import legacy_mesh
+from sharding_dump.core.optimizer import Slot, optimizer_state
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 ApplyFn = Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]  # (raw params, batch, rng keys) -> output
 
 
+# AdamW as MaxText configures it by default (base.yml: adam_b1, adam_b2, adam_eps, adam_eps_root,
+# adam_weight_decay), with a constant learning-rate schedule.
+ADAMW = {"learning_rate": 1e-4, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 0.1}
+
+
 def default_optimizer() -> optax.GradientTransformation:
     """AdamW with a learning-rate schedule, as trainers configure it (the schedule adds a count)."""
-    return optax.adamw(optax.constant_schedule(1e-4), b1=0.9, b2=0.95, weight_decay=0.1)
+    hp = dict(ADAMW)
+    return optax.adamw(optax.constant_schedule(hp.pop("learning_rate")), **hp)
 
 
 def abstract_train_state(params: Any, optimizer: optax.GradientTransformation | None = None) -> dict[str, Any]:
     """{'step', 'params', 'opt_state'} as abstract arrays.
 
     `params` is an abstract (boxed) parameter tree, or a function `key -> params` that is run under
-    `jax.eval_shape`. The optimizer (default: :func:`default_optimizer`) is initialised abstractly
-    over the boxed tree, so AdamW's mu and nu keep each parameter's logical axes."""
+    `jax.eval_shape`. The optimizer (default: :func:`default_optimizer`; any optax
+    GradientTransformation) is initialised abstractly over the raw parameters, as a trainer does, and
+    every leaf of its state that belongs to a parameter carries the logical axes it derives from it
+    (:mod:`sharding_dump.core.optimizer`): AdamW's mu and nu the parameter's, Adafactor's factored
+    moments those of the dimensions they keep."""
     tx = optimizer or default_optimizer()
-
-    def init(key: jax.Array) -> dict[str, Any]:
-        p = params(key) if callable(params) else params
-        return {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": tx.init(p)}
-
     if callable(params):
-        return jax.eval_shape(init, jax.random.key(0))
+        params = jax.eval_shape(params, jax.random.key(0))
     return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
-            "opt_state": jax.eval_shape(tx.init, params)}
+            "opt_state": optimizer_state(tx, params)}
 
 
 def parameter_count(state: Any) -> int:
@@ -119,7 +125,8 @@ class Model:
         from sharding_dump.core.layout import rules_of
 
         abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
-        with jax.sharding.use_abstract_mesh(abstract), nn.logical_axis_rules(rules_of(rules or ())):
+        with jax.sharding.use_abstract_mesh(abstract), legacy_mesh(abstract), \
+                nn.logical_axis_rules(rules_of(rules or ())):
             return self.build_params()
 
     def placement(self, names: tuple[Any, ...], rules: Any) -> jax.sharding.PartitionSpec:
@@ -139,20 +146,50 @@ class Model:
 def explicit_train_state(model: Model, mesh: Any, rules: Any,
                          optimizer: optax.GradientTransformation | None = None) -> dict[str, Any]:
     """{'step', 'params', 'opt_state'} traced on an Explicit-axis `mesh`: every parameter placed as
-    :meth:`Model.placement` says (`jax.sharding.reshard`), the optimizer state derived from them by
-    sharding-in-types; each leaf carries its sharding."""
+    :meth:`Model.placement` says, or by the rules' path rules when it has no axis names
+    (`jax.sharding.reshard`); every optimizer leaf that derives axes from its parameter
+    (:mod:`sharding_dump.core.optimizer`) placed by them, as a trainer places its state by its
+    annotations (AdamW's moments would follow by sharding-in-types anyway); each leaf carries its
+    sharding."""
     tx = optimizer or default_optimizer()
     params = model.build_params()
+    template = optimizer_state(tx, params)
+    path_rules = path_rules_of(rules)
+    specs: dict[str, tuple[Any, ...]] = {}  # parameter path -> its spec entries, one per dimension
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_box):
+        shape = tuple((leaf.value if is_box(leaf) else leaf).shape)
+        if is_box(leaf) and any(n is not None for n in leaf.names):
+            spec = tuple(model.placement(tuple(leaf.names), rules))
+        elif path_rules and shape:
+            logical, direct = place_by_path(path_rules, path_text(key_path), shape)
+            spec = direct if direct is not None else tuple(model.placement(logical, rules))
+        else:
+            continue
+        specs[path_text(key_path)] = spec + (None,) * (len(shape) - len(spec))
 
-    def place(box: Any) -> Any:
-        if not isinstance(box, nn.Partitioned):
-            return box
-        sharding = jax.sharding.NamedSharding(mesh, model.placement(tuple(box.names), rules))
-        return box.replace_boxed(jax.sharding.reshard(box.value, sharding))
+    def reshard(value: Any, spec: Sequence[Any]) -> Any:
+        return jax.sharding.reshard(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+    def place(key_path: Any, leaf: Any) -> Any:
+        spec = specs.get(path_text(key_path))
+        if spec is None:
+            return leaf
+        return leaf.replace_boxed(reshard(leaf.value, spec)) if is_box(leaf) else reshard(leaf, spec)
+
+    def slot(boxed: Any, leaf: Any) -> Any:
+        if not isinstance(boxed, Slot):
+            return leaf
+        if any(n is not None for n in boxed.names):
+            return boxed.replace_boxed(reshard(leaf, model.placement(tuple(boxed.names), rules)))
+        param = specs.get(boxed.parameter)
+        if param is None:
+            return leaf
+        return boxed.replace_boxed(reshard(leaf, [param[d] if d is not None else None for d in boxed.dims]))
 
     def init(p: Any) -> dict[str, Any]:
-        placed = jax.tree.map(place, p, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-        return {"step": jnp.zeros((), jnp.int32), "params": placed, "opt_state": tx.init(placed)}
+        placed = jax.tree_util.tree_map_with_path(place, p, is_leaf=is_box)
+        opt_state = jax.tree.map(slot, template, tx.init(unbox(placed)), is_leaf=is_box)
+        return {"step": jnp.zeros((), jnp.int32), "params": placed, "opt_state": opt_state}
 
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.eval_shape(init, params)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Container, Mapping
 
 if TYPE_CHECKING:  # imported on the first difference: equal documents never need it (it loads numpy)
     from deepdiff import DeepDiff
@@ -97,13 +97,22 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def slot_parameter(name: str) -> tuple[str, str] | None:
-    """The entry `name` mirrors, and how to call it when folded under that entry:
-    `opt_state/0/mu/x/y` -> ('params/x/y', 'opt_state/0/mu'), an optimizer slot of a parameter;
-    `backward/m/a` -> ('forward/m/a', 'backward'), the gradient of an activation."""
+def slot_parameter(name: str, known: Container[str]) -> tuple[str, str] | None:
+    """The entry of `known` that `name` mirrors, and how to call it when folded under that entry:
+    an optimizer leaf of any optimizer whose path ends in a parameter's path (the longest such)
+    `opt_state/0/mu/x/y` -> ('params/x/y', 'opt_state/0/mu'); the gradient of an activation
+    `backward/m/a` -> ('forward/m/a', 'backward').
+
+    >>> slot_parameter("opt_state/0/v_row/x/y", {"params/x/y", "params/y"})
+    ('params/x/y', 'opt_state/0/v_row')
+    """
     parts = name.split("/")
-    if len(parts) > 3 and parts[0] == "opt_state" and parts[2] in ("mu", "nu"):
-        return "params/" + "/".join(parts[3:]), "/".join(parts[:3])
+    if parts[0] == "opt_state":
+        for start in range(1, len(parts)):
+            mirror = "params/" + "/".join(parts[start:])
+            if mirror in known:
+                return mirror, "/".join(parts[:start])
+        return None
     if len(parts) > 1 and parts[0] == "backward":
         return "forward/" + "/".join(parts[1:]), "backward"
     return None
@@ -113,12 +122,12 @@ def fold_slots(changed: dict[str, Any]) -> dict[str, tuple[Any, list[str]]]:
     """Groups optimizer slots whose change equals their parameter's change under that parameter."""
     folded: dict[str, tuple[dict, list[str]]] = {}
     for name in sorted(changed):
-        mirror = slot_parameter(name)
-        if mirror and mirror[0] in changed and changed[mirror[0]] == changed[name]:
+        mirror = slot_parameter(name, changed)
+        if mirror and changed[mirror[0]] == changed[name]:
             continue
         folded[name] = (changed[name], [])
     for name in sorted(changed):
-        mirror = slot_parameter(name)
+        mirror = slot_parameter(name, changed)
         if mirror and mirror[0] in folded and changed[mirror[0]] == changed[name]:
             folded[mirror[0]][1].append(mirror[1])
     return folded

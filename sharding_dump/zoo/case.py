@@ -63,7 +63,8 @@ class Case:
         MAX_NAME_CHARS (file systems allow 255 bytes, and a temp name beside it adds some) keeps a
         readable prefix and ends in `~` plus 16 hex digits of the full name's SHA-256."""
         parts = [f"rule_{self.rule_name}"]
-        parts += [f"{key}={settings.format_value(value)}" for key, value in self.overrides]
+        # A reference (optimizer=pkg.mod:fn) is written pkg.mod-fn, as a factory model's folder is.
+        parts += [f"{key}={settings.format_value(value).replace(':', '-')}" for key, value in self.overrides]
         full = "_".join(parts)
         if len(full.encode("utf-8")) <= MAX_NAME_CHARS:
             return full

@@ -21,6 +21,8 @@ from sharding_dump import models
 from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
 from sharding_dump.core.layout import typed_layouts
+from sharding_dump.core.legacy_mesh import legacy_mesh
+from sharding_dump.core.optimizer import state_with_slots
 from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
 from sharding_dump.core.state import Model, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
@@ -32,7 +34,7 @@ from sharding_dump.models.pipeline import (
     plan_pipeline,
     stage_before_data,
 )
-from sharding_dump.zoo import rules, settings, state
+from sharding_dump.zoo import optimizers, rules, settings, state
 from sharding_dump.zoo.batch import BatchPlan, plan_batch
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
@@ -51,6 +53,11 @@ class CaseSetup:
     plan: MeshPlan
     config: models.ModelConfig | None  # None for a user's factory model
     batch: BatchPlan
+
+    @property
+    def optimizer(self) -> Any:
+        """The case's optax optimizer: MaxText's `opt_type` or the user's own `optimizer=`."""
+        return optimizers.case_optimizer(self.values)
 
     @property
     def explicit(self) -> bool:
@@ -90,6 +97,8 @@ def setup_case(case: Case) -> CaseSetup:
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
+    optimizers.check(values, config.decoder_block if config is not None else None, case.model)
+    optimizers.case_optimizer(values)  # a user's optimizer that cannot be built fails here, before any trace
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
         pipeline.check_batch(batch.global_batch_size)
@@ -112,14 +121,19 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
     if plan.sizes.get("stage", 1) > 1:
         raise BadInput(f"stage axis of size {plan.sizes['stage']}: pipeline parallelism is built into the zoo's "
                        f"layer stacks; model {case.model!r} is a user factory (size the stage axis 1)")
+    chosen = [f"{key}={values[key]}" for key, _ in case.overrides if key in ("optimizer", "opt_type")]
+    if chosen and isinstance(factory_program(case.model), TrainProgram):
+        raise BadInput(f"{chosen[0]}: model {case.model!r} is a TrainProgram, whose own train_step runs its "
+                       "optimizer (set it there)")
 
 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    auto = _abstract_state(setup.config) if setup.config is not None else \
-        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False)
-    layouts = state.tensor_layouts(boxed_view(auto), setup.plan, setup.rule_set, setup.values["shard_optimizer_over_data"])
+    auto = _abstract_state(setup.config, setup.optimizer) if setup.config is not None else \
+        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
+    layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
+                                   setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
         spec = specs.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
@@ -129,9 +143,9 @@ def _check_even_splits(setup: CaseSetup) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_state(config: models.ModelConfig) -> dict[str, Any]:
-    # Shapes only depend on the config; cases of one model share the traced init.
-    return state.abstract_state(config)
+def _abstract_state(config: models.ModelConfig, tx: Any) -> dict[str, Any]:
+    # Shapes only depend on the config and optimizer; cases of one model share the traced init.
+    return state.abstract_state(config, tx)
 
 
 @functools.lru_cache(maxsize=16)
@@ -150,7 +164,7 @@ def program_model(ref: str) -> Model:
 
 
 @functools.lru_cache(maxsize=16)
-def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool) -> Any:
+def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool, tx: Any) -> Any:
     program = factory_program(ref)
     mesh = plan.abstract_mesh(explicit=explicit)
     if isinstance(program, TrainProgram):
@@ -159,12 +173,22 @@ def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...],
         import jax
 
         key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
-        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
+        with jax.sharding.use_abstract_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
             return program.abstract_state(key)
     model = program_model(ref)
     if explicit:
-        return explicit_train_state(model, mesh, rules, state.optimizer())
-    return abstract_train_state(model.abstract_params(mesh, rules), state.optimizer())
+        return explicit_train_state(model, mesh, rules, tx)
+    return abstract_train_state(model.abstract_params(mesh, rules), tx)
+
+
+def layout_view(setup: CaseSetup, train_state: Any) -> Any:
+    """The state as layouts read it: NNX variables boxed like linen's, and for a TrainProgram (whose
+    own init built its optimizer state over boxed parameters) every optimizer leaf re-derived from its
+    parameter, as the harness derives its own."""
+    view = boxed_view(train_state)
+    if setup.config is None and isinstance(factory_program(setup.case.model), TrainProgram):
+        view = state_with_slots(view)
+    return view
 
 
 def abstract_state_of(setup: CaseSetup) -> Any:
@@ -172,8 +196,9 @@ def abstract_state_of(setup: CaseSetup) -> Any:
     init runs under the case's mesh and rules as it would in training (on the Explicit-axis mesh in
     explicit mode, each leaf then carrying its sharding)."""
     if setup.config is not None:
-        return _abstract_state(setup.config)
-    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit)
+        return _abstract_state(setup.config, setup.optimizer)
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
+                          setup.optimizer)
 
 
 def header(setup: CaseSetup) -> dict[str, Any]:
@@ -191,8 +216,9 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
     if setup.explicit and setup.config is not None:
-        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data)
-    boxed = boxed_view(abstract_state_of(setup))
+        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
+                                                    setup.optimizer)
+    boxed = layout_view(setup, abstract_state_of(setup))
     if setup.explicit:
         return setup, typed_layouts(boxed, setup.plan.sizes)
     return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
@@ -237,15 +263,23 @@ def case_model(setup: CaseSetup) -> Model:
 
 def case_step(setup: CaseSetup) -> Step:
     """One training step of the case: a card's or a ModelProgram's next-token step (batch placed on the
-    rule's input axes, else the data pipeline's layout; forward, backward, AdamW update), or a
+    rule's input axes, else the data pipeline's layout; forward, backward, optimizer update), or a
     TrainProgram's own step."""
     axes, spec = setup.batch.logical_axes, None if setup.batch.logical_axes else setup.batch.pipeline_spec
     if setup.config is not None:
-        return next_token_step(case_model(setup).apply, state.optimizer(), axes, input_spec=spec)
+        return next_token_step(case_model(setup).apply, setup.optimizer, axes, input_spec=spec)
     program = factory_program(setup.case.model)
     if isinstance(program, TrainProgram):
         return program.step(axes, spec)
-    return program.train_step(program_model(setup.case.model), state.optimizer(), axes, spec)
+    return program.train_step(program_model(setup.case.model), setup.optimizer, axes, spec)
+
+
+def batch_fields(case: Case) -> dict[str, Any]:
+    """The batch fields of the case's step: the token fields of a card, a program's own (its Input
+    per name; None for a card's token fields)."""
+    if case.model_ref.kind == "factory":
+        return factory_program(case.model).batch_fields()
+    return {name: None for name in BATCH_FIELDS}
 
 
 def case_batch(setup: CaseSetup) -> dict[str, Any]:
@@ -254,8 +288,7 @@ def case_batch(setup: CaseSetup) -> dict[str, Any]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    fields = factory_program(setup.case.model).batch_fields() if setup.config is None else \
-        {name: None for name in BATCH_FIELDS}
+    fields = batch_fields(setup.case)
     out = {}
     for name, field in fields.items():
         abstract = field.abstract(*setup.batch.shape) if field is not None else \

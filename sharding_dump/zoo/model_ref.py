@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, shown
 
 _FACTORY = re.compile(r"(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)=)?(?P<module>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"
                       r":(?P<attr>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
@@ -86,11 +86,12 @@ def _card_names() -> set[str]:
     return set(card_files())
 
 
-def load_factory(text: str) -> Callable[[], Any]:
-    """The callable a factory reference names; BadInput (one line) when it cannot be imported."""
+def load_reference(text: str, what: str = "model") -> Callable[..., Any]:
+    """The callable a `package.module:function` reference names; BadInput (one line, naming `what`
+    the reference was given as: model, optimizer) when it cannot be imported."""
     match = _FACTORY.fullmatch(text)
     if match is None:
-        raise BadInput(f"model {text!r}: not a factory reference (package.module:function)")
+        raise BadInput(f"{what} {shown(text)}: not a reference to a function (package.module:function)")
     module_name, attr = match["module"], match["attr"]
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -99,15 +100,28 @@ def load_factory(text: str) -> Callable[[], Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise BadInput(f"model {text!r}: cannot import {module_name} ({err})") from None
+        raise BadInput(f"{what} {text!r}: cannot import {module_name} ({err})") from None
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise BadInput(f"model {text!r}: {module_name} has no attribute {attr!r}")
+            raise BadInput(f"{what} {text!r}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise BadInput(f"model {text!r}: {attr} is a {type(obj).__name__}, not a callable returning a model")
+        raise BadInput(f"{what} {text!r}: {attr} is a {type(obj).__name__}, not a callable returning "
+                       f"{'a model' if what == 'model' else 'an ' + what}")
     return obj
+
+
+def load_factory(text: str) -> Callable[[], Any]:
+    """The callable a factory reference names; BadInput (one line) when it cannot be imported."""
+    return load_reference(text, "model")
+
+
+def is_reference(text: str) -> bool:
+    """True for a well-formed `package.module:function` reference (at most MAX_REF characters, no
+    NAME= in front: that names a model's golden folder only)."""
+    match = _FACTORY.fullmatch(text) if len(text) <= MAX_REF else None
+    return match is not None and not match["name"]

@@ -22,10 +22,12 @@ import flax.linen as nn
 from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
 from jax.sharding import PartitionSpec
 
-from sharding_dump.core.format import NAMED_FILE
+from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
+from sharding_dump.core.layout import PathRule, match_path_rule
 from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
 from sharding_dump.core.specs import rule_axes
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, shown
+from sharding_dump.golden.engine import display
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
 from sharding_dump.zoo import settings as settings_mod
 
@@ -49,6 +51,8 @@ class RuleSet:
     mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
     # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
     origins: tuple[tuple[Path, int], ...] = ()
+    # Parameters without logical axes, placed by path regex (first match wins); each knows its line.
+    partition_rules: tuple[PathRule, ...] = ()
 
     def mesh_settings_for(self, topology_name: str) -> dict[str, Any]:
         """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
@@ -102,7 +106,11 @@ def load_rule(ref: str) -> RuleSet:
             raise BadInput(f"{where}: field mesh_axes: {sized_by[key]!r} and {axis!r} are both sized by {key}: "
                            f"rename one")
         sized_by[key] = axis
-    rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data["logical_axis_rules"])
+    rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data.get("logical_axis_rules", ()))
+    path_rules = _partition_rules(path, data.get("partition_rules", []), mesh_axes)
+    if not rules and not path_rules:
+        raise BadInput(f"{where}: give logical_axis_rules (logical names to mesh axes), partition_rules (parameter "
+                       "path regexes to partition specs), or both")
     for index, (name, axes) in enumerate(rules):
         for axis in axes_of(axes):
             if axis not in mesh_axes:
@@ -136,7 +144,31 @@ def load_rule(ref: str) -> RuleSet:
         logical_axis_rules=rules,
         mesh_rules=tuple(mesh_rules),
         origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
+        partition_rules=path_rules,
     )
+
+
+def _partition_rules(path: Path, entries: list[Any], mesh_axes: tuple[str, ...]) -> tuple[PathRule, ...]:
+    """The `partition_rules` of a rule file, each regex compiled and each mesh axis declared."""
+    where = f"rule file {path}"
+    lines = yaml_item_lines(path, "partition_rules")
+    out = []
+    for index, (pattern, spec) in enumerate(entries):
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise BadInput(f"{where}: field partition_rules/{index}: {shown(pattern)} is not a regular expression "
+                           f"({err})") from None
+        origin = f"{display(path)}:{lines[index]}" if index < len(lines) else f"{display(path)} partition_rules/{index}"
+        if isinstance(spec, dict):
+            out.append(PathRule(pattern, logical=tuple(spec["logical"]), where=origin))
+            continue
+        for axis in (a for entry in spec for a in axes_of(entry)):
+            if axis not in mesh_axes:
+                raise BadInput(f"{where}: field partition_rules/{index} ({shown(pattern)}): mesh axis {axis!r} is not "
+                               f"in mesh_axes [{', '.join(mesh_axes)}]")
+        out.append(PathRule(pattern, spec=tuple(rule_axes(entry) for entry in spec), where=origin))
+    return tuple(out)
 
 
 def is_base_rule(rule_set: RuleSet) -> bool:
@@ -197,7 +229,41 @@ def to_mesh_axes(logical_axes: Sequence[str | None], rules: Rules) -> PartitionS
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
 
 
-def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = ()) -> list[str]:
+# A state leaf as the lints below read it, from a golden document or a layout: path, shape, logical axes.
+Leaf = tuple[str, Sequence[int], Sequence[Any]]
+PARAMS = "params/"
+
+
+def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[str]:
+    """Parameters of more than one element that carry no logical axis name and that no partition rule
+    matches: each is whole on every device, and nothing in the model or the rule file says so."""
+    return [path for path, shape, logical in leaves
+            if path.startswith(PARAMS) and math.prod(shape) > 1 and all(name is None for name in logical)
+            and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
+
+
+def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[PathRule]:
+    """Partition rules whose regex is found in no parameter path of the model (a typo, or a rule file
+    written for another model)."""
+    paths = [path[len(PARAMS):] for path, _, _ in leaves if path.startswith(PARAMS)]
+    return [rule for rule in rule_set.partition_rules if not any(re.search(rule.pattern, p) for p in paths)]
+
+
+def rank_mismatches(leaves: Iterable[Leaf]) -> list[tuple[str, int, int]]:
+    """(path, number of logical axes, rank) of every parameter whose logical axes are more or fewer
+    than its dimensions (flax resolves them anyway: the extra names are dropped, the missing
+    dimensions left whole)."""
+    return [(path, len(logical), len(shape)) for path, shape, logical in leaves
+            if path.startswith(PARAMS) and len(logical) != len(shape)]
+
+
+def _examples(paths: Sequence[str], limit: int = 3) -> str:
+    shown_paths = ", ".join(paths[:limit])
+    return shown_paths + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = (),
+                 batch_fields: Iterable[str] | None = None) -> list[str]:
     """Why a dump that worked may still not be what was meant, from its golden documents: rules that
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
@@ -225,4 +291,31 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
     if unused:
         warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
                         f"carries: {', '.join(unused)}")
+    state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL_FILE]["tensors"].items()]
+    unplaced = unplaced_parameters(rule_set, state)
+    if unplaced and math.prod(sizes.values()) > 1:
+        warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
+                        f"match no partition rule of {rule_set.path}, so each is whole on every device: "
+                        f"{_examples(unplaced)}")
+    for rule in unmatched_partition_rules(rule_set, state):
+        warnings.append(f"partition rule {rule.where} ({rule.pattern!r}) matches no parameter path of this model")
+    mismatched = rank_mismatches(state)
+    if mismatched:
+        warnings.append("logical axes that do not fit the tensor's rank: " + ", ".join(
+            f"{path} ({axes} names, rank {rank})" for path, axes, rank in mismatched[:3])
+            + (f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""))
+    if ACTIVATIONS_FILE in docs and not model_constraints(docs[ACTIVATIONS_FILE], batch_fields):
+        warnings.append("the model placed no activation sharding constraint in its training step: "
+                        f"{ACTIVATIONS_FILE} holds only the batch (a helper gated on a mesh the harness does not "
+                        "set, or shardings given only to jit, are not seen)")
     return warnings
+
+
+def model_constraints(activations: Mapping[str, Any], batch_fields: Iterable[str] | None = None) -> list[str]:
+    """Keys of the activation constraints the model placed, not the harness's own placement of the
+    batch fields (default: the token batch's)."""
+    from sharding_dump.core.step import BATCH_FIELDS
+
+    fields = set(BATCH_FIELDS if batch_fields is None else batch_fields)
+    return [key for key, entry in activations["tensors"].items()
+            if not (entry["module"] == "" and entry["name"] in fields)]

@@ -41,7 +41,7 @@ class SettingSpec:
     """One overridable setting: its type, allowed values and default."""
 
     key: str
-    type: str  # int | float | bool | choice | parallelism
+    type: str  # int | float | bool | choice | reference | parallelism
     default: Value
     help: str
     choices: tuple[str, ...] = ()
@@ -184,6 +184,15 @@ def _parse(spec: SettingSpec, raw: Any) -> Value:
         if text is not None and text.strip().lower() in ("true", "false"):
             return text.strip().lower() == "true"
         raise BadInput(f"{bad}: must be true or false")
+    if spec.type == "reference":
+        if raw == spec.default:
+            return raw
+        from sharding_dump.zoo.model_ref import is_reference
+
+        if isinstance(raw, str) and is_reference(raw.strip()):
+            return raw.strip()
+        raise BadInput(f"{bad}: give package.module:function (a function of your own, importable from the "
+                       "working directory)")
     if spec.type == "choice":
         if isinstance(raw, str) and raw in spec.choices:
             return raw

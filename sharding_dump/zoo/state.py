@@ -1,16 +1,16 @@
-"""The abstract training state (params + AdamW state + step) and the layout of every leaf.
+"""The abstract training state (params + optimizer state + step) and the layout of every leaf.
 
-`jax.eval_shape` runs the model's `init` and `optax.adamw(...).init` without allocating or compiling
-anything; flax's partition boxes survive into the optimizer moments, so every leaf keeps its logical
-axes. Two ways to get each leaf's physical layout on the case's mesh:
+`jax.eval_shape` runs the model's `init` and the optimizer's without allocating or compiling
+anything; every optimizer leaf takes the logical axes it derives from its parameter
+(:mod:`sharding_dump.core.optimizer`). Two ways to get each leaf's physical layout on the case's mesh:
 
 * auto (:func:`tensor_layouts`): the logical axes resolved by the rules;
 * explicit (:func:`explicit_tensor_layouts`): the state traced again on an Explicit-axis mesh, the
   parameters placed by the rules, everything else left to JAX's sharding-in-types, and each leaf's
   sharding read from the traced output.
 
-With ZeRO-1 (`shard_optimizer_over_data`), AdamW's moments are also split over `data`
-(:func:`over_data`).
+With ZeRO-1 (`shard_optimizer_over_data`), the optimizer state is also split over `data`
+(:func:`over_data`), as MaxText does for every optimizer leaf.
 
 >>> from sharding_dump import models
 >>> state = abstract_state(models.load_config("qwen3-0.6b"))
@@ -38,8 +38,11 @@ from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the 
     path_text,
     per_device_totals,
     typed_layouts,
+    unbox,
 )
+from sharding_dump.core.layout import PartitionRuleError
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
+from sharding_dump.core.optimizer import Slot
 from sharding_dump.core.state import (  # noqa: F401
     abstract_train_state,
     as_model,
@@ -51,25 +54,20 @@ from sharding_dump.zoo import rules
 from sharding_dump.zoo.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
-MOMENTS = ("mu", "nu")  # AdamW's per-parameter slots, under opt_state/<index>/
 DATA_AXIS = "data"
 TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
 
 
-def optimizer() -> optax.GradientTransformation:
-    """The optimizer of every zoo case: the core's default AdamW."""
-    return default_optimizer()
+def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | None = None) -> dict[str, Any]:
+    """The boxed abstract state {'step', 'params', 'opt_state'} of a zoo model trained with `tx`
+    (default: the core's AdamW), via jax.eval_shape."""
+    return abstract_train_state(as_model(models.build_model(cfg)).abstract_params(), tx or default_optimizer())
 
 
-def abstract_state(cfg: models.ModelConfig) -> dict[str, Any]:
-    """The boxed abstract state {'step', 'params', 'opt_state'} of a zoo model, via jax.eval_shape."""
-    return abstract_train_state(as_model(models.build_model(cfg)).abstract_params(), optimizer())
-
-
-def is_moment(path: str) -> bool:
-    """True for an AdamW moment leaf: `opt_state/<index>/mu/...` or `.../nu/...`."""
-    parts = path.split("/")
-    return len(parts) > 3 and parts[0] == "opt_state" and parts[2] in MOMENTS
+def is_optimizer_leaf(path: str) -> bool:
+    """True for a leaf of the optimizer state (`opt_state/...`): what ZeRO-1 splits over `data`, as
+    MaxText adds `data` to every optimizer leaf (a scalar has no dimension to add it to)."""
+    return path.startswith("opt_state/")
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
@@ -99,43 +97,46 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) 
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
                    optimizer_over_data: bool = False) -> list[TensorLayout]:
     """Auto mode: every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh
-    (AdamW moments also over `data` with `optimizer_over_data`)."""
+    (the optimizer state also over `data` with `optimizer_over_data`)."""
     sizes = plan.sizes
 
     def zero1(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
-        return over_data(spec, shape, sizes) if is_moment(path) else spec
+        return over_data(spec, shape, sizes) if is_optimizer_leaf(path) else spec
 
-    return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
+    try:
+        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
+    except PartitionRuleError as err:  # a rule file's partition rule that does not fit the model
+        raise BadInput(str(err)) from None
 
 
 def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
-                   optimizer_over_data: bool = False) -> dict[str, Any]:
+                   optimizer_over_data: bool = False, tx: optax.GradientTransformation | None = None) -> dict[str, Any]:
     """The boxed state traced on the plan's Explicit-axis abstract mesh: every leaf carries the sharding
     JAX gives it. Parameters are placed by the rules (`jax.sharding.reshard`: flax's init cannot run
-    under an Explicit mesh); the optimizer state follows from them by sharding-in-types, except that
-    ZeRO-1 reshards the moments over `data`."""
+    under an Explicit mesh), and so is every optimizer leaf that derives logical axes from its
+    parameter, as a trainer places its state by its logical annotations (AdamW's moments already follow
+    their parameter); ZeRO-1 then reshards the optimizer leaves over `data`."""
     model = models.build_model(cfg)
-    tx = optimizer()
+    tx = tx or default_optimizer()
+    template = abstract_state(cfg, tx)["opt_state"]  # every optimizer leaf's derived axes
     mesh = plan.abstract_mesh(explicit=True)
 
-    def place(box: nn.Partitioned) -> nn.Partitioned:
+    def place(box: nn.Partitioned, over: bool = False) -> nn.Partitioned:
         spec = rules.to_mesh_axes(box.names, rule_set.logical_axis_rules)
+        if over:
+            spec = over_data(spec, box.value.shape, plan.sizes)
         return box.replace_boxed(jax.sharding.reshard(box.value, NamedSharding(mesh, spec)))
 
-    def moment_over_data(key_path: Any, leaf: Any) -> Any:
-        if not (is_box(leaf) and is_moment(path_text(key_path))):
+    def slot(boxed: Any, leaf: Any) -> Any:
+        if not isinstance(boxed, Slot):
             return leaf
-        value = leaf.value
-        spec = over_data(jax.typeof(value).sharding.spec, value.shape, plan.sizes)
-        return leaf.replace_boxed(jax.sharding.reshard(value, NamedSharding(mesh, spec)))
+        return place(boxed.replace_boxed(leaf), optimizer_over_data)
 
     def init(key: jax.Array) -> dict[str, Any]:
         tokens = jnp.zeros(INIT_SHAPE, jnp.int32)
         params = jax.tree.map(place, model.init(key, tokens, tokens)["params"], is_leaf=is_box)
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-        if optimizer_over_data:
-            state = jax.tree_util.tree_map_with_path(moment_over_data, state, is_leaf=is_box)
-        return state
+        opt_state = jax.tree.map(slot, template, tx.init(unbox(params)), is_leaf=is_box)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
 
     key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
     with jax.sharding.use_abstract_mesh(mesh):
@@ -143,7 +144,8 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
 
 
 def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
-                            optimizer_over_data: bool = False) -> list[TensorLayout]:
+                            optimizer_over_data: bool = False,
+                            tx: optax.GradientTransformation | None = None) -> list[TensorLayout]:
     """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs
     (a scalar JAX leaves unannotated is replicated)."""
-    return typed_layouts(explicit_state(cfg, plan, rule_set, optimizer_over_data), plan.sizes)
+    return typed_layouts(explicit_state(cfg, plan, rule_set, optimizer_over_data, tx), plan.sizes)

@@ -49,6 +49,28 @@ def test_readme_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, p
     result.stdout.fnmatch_lines(["*params/block_0/up/kernel*"])
 
 
+def subsection(title: str) -> str:
+    return SECTION.split(f"### {title}", 1)[1].split("\n### ", 1)[0]
+
+
+def test_readme_partition_rules_are_the_example_rule_file():
+    (excerpt,) = re.findall(r"```yaml\n(.*?)```", subsection("Weights placed by path"), re.S)
+    example = REPO.joinpath("examples/regex_llama.yml").read_text().splitlines()
+    assert all(line in example for line in excerpt.splitlines())
+
+
+def test_readme_adafactor_table_is_what_show_prints(monkeypatch, capsys):
+    text = subsection("Your own optimizer")
+    (command,) = re.findall(r"```bash\n(.*?)```", text, re.S)
+    (shown,) = re.findall(r"```\n(.*?)```", text, re.S)
+    monkeypatch.chdir(REPO)
+    assert cli.main(shlex.split(command.strip())[1:]) == 0
+    printed = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    for line in shown.splitlines():
+        if line.strip() and line != "...":
+            assert printed[line.split()[0]] == line.split(), line
+
+
 PROGRAMS = REPO.joinpath("README.md").read_text().split("## Your own training program", 1)[1].split("\n## ", 1)[0]
 
 

@@ -95,6 +95,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     from sharding_dump.commands.verify import hlo as hlo_text
     from sharding_dump.commands.verify.step import build_step, leaf_path
+    from sharding_dump.core.legacy_mesh import legacy_mesh
     from sharding_dump.zoo.case import Case
 
     c = request["case"]
@@ -108,7 +109,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     answer: dict[str, Any] = {"jax_version": jax.__version__}
     with tempfile.TemporaryDirectory(prefix="verify-dump-") as dump_dir:
         options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "^shardy-xla$"}
-        with jax.set_mesh(mesh), nn.logical_axis_rules(parts.logical_axis_rules):
+        with jax.set_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(parts.logical_axis_rules):
             jitted = jax.jit(parts.step, in_shardings=(state_shardings, batch_shardings),  # metrics replicated
                              out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
             lowered = jitted.lower(parts.state, parts.batch)
