@@ -21,9 +21,10 @@ from sharding_dump import models, rules, serialize, settings, state
 from sharding_dump.batch import BatchPlan, plan_batch
 from sharding_dump.case import Case
 from sharding_dump.errors import BadInput, UnevenSplitWarning
-from sharding_dump.models.pipeline import pipeline_rules, plan_pipeline, stage_before_data
 from sharding_dump.mesh import MeshPlan, plan_mesh
 from sharding_dump.models.config import card_path
+from sharding_dump.models.pipeline import PipelineConfig
+from sharding_dump.pipeline_plan import check_batch, pipeline_rules, plan_pipeline, stage_before_data
 from sharding_dump.topology import Topology, load_topology
 
 from sharding_dump.core import documents
@@ -45,6 +46,7 @@ class CaseSetup:
     plan: MeshPlan
     config: models.ModelConfig | None  # None for a user's factory model
     batch: BatchPlan
+    pipeline: PipelineConfig | None = None  # the built-in model's pipeline schedule, when `stage` > 1
 
     @property
     def explicit(self) -> bool:
@@ -66,8 +68,7 @@ def setup_case(case: Case) -> CaseSetup:
     else:
         config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
-        pipeline = plan_pipeline(values, plan, rule_set, config.pipelined_stack_layers)
-        config = dataclasses.replace(config, pipeline=pipeline)
+        pipeline = plan_pipeline(values, plan, rule_set, models.pipelined_stack_length(config))
         if pipeline is not None:
             rule_set = pipeline_rules(rule_set)
             plan = stage_before_data(plan)
@@ -76,8 +77,8 @@ def setup_case(case: Case) -> CaseSetup:
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
-        pipeline.check_batch(batch.global_batch_size)
-    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch)
+        check_batch(pipeline, batch.global_batch_size)
+    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch, pipeline)
     if setup.explicit:
         _check_even_splits(setup)
     return setup
@@ -113,9 +114,9 @@ def _check_even_splits(setup: CaseSetup) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_state(config: models.ModelConfig) -> dict[str, Any]:
-    # Shapes only depend on the config; cases of one model share the traced init.
-    return state.abstract_state(config)
+def _abstract_state(config: models.ModelConfig, pipeline: PipelineConfig | None) -> dict[str, Any]:
+    # Shapes only depend on the config and pipeline; cases of one model share the traced init.
+    return state.abstract_state(config, pipeline)
 
 
 @functools.lru_cache(maxsize=16)
@@ -134,7 +135,7 @@ def abstract_state_of(setup: CaseSetup) -> dict[str, Any]:
     """The boxed abstract training state of the case's model (a card's, or a user factory's, whose
     init runs under the case's mesh and rules as it would in training)."""
     if setup.config is not None:
-        return _abstract_state(setup.config)
+        return _abstract_state(setup.config, setup.pipeline)
     return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules)
 
 
@@ -153,7 +154,8 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
     if setup.explicit:
-        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data)
+        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
+                                                            setup.pipeline)
     return setup, state.tensor_layouts(abstract_state_of(setup), setup.plan, setup.rule_set, over_data)
 
 
@@ -191,7 +193,7 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
 def case_model(setup: CaseSetup) -> Model:
     """The case's model as the core drives it: a built-in card's decoder or the user's factory."""
     if setup.config is not None:
-        return as_model(models.build_model(setup.config))
+        return as_model(models.build_model(setup.config, setup.pipeline))
     return factory_model(setup.case.model)
 
 

@@ -30,6 +30,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models, rules
+from sharding_dump.models.pipeline import PipelineConfig
 from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
     TensorLayout, indivisible, leaves, path_text, per_device_totals, tensor_layouts as core_tensor_layouts)
 from sharding_dump.core.layout import _is_box
@@ -48,9 +49,9 @@ def optimizer() -> optax.GradientTransformation:
     return default_optimizer()
 
 
-def abstract_state(cfg: models.ModelConfig) -> dict[str, Any]:
+def abstract_state(cfg: models.ModelConfig, pipeline: PipelineConfig | None = None) -> dict[str, Any]:
     """The boxed abstract state {'step', 'params', 'opt_state'} of a zoo model, via jax.eval_shape."""
-    return abstract_train_state(as_model(models.build_model(cfg)).abstract_params(), optimizer())
+    return abstract_train_state(as_model(models.build_model(cfg, pipeline)).abstract_params(), optimizer())
 
 
 def is_moment(path: str) -> bool:
@@ -96,12 +97,12 @@ def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSe
 
 
 def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
-                   optimizer_over_data: bool = False) -> dict[str, Any]:
+                   optimizer_over_data: bool = False, pipeline: PipelineConfig | None = None) -> dict[str, Any]:
     """The boxed state traced on the plan's Explicit-axis abstract mesh: every leaf carries the sharding
     JAX gives it. Parameters are placed by the rules (`jax.sharding.reshard`: flax's init cannot run
     under an Explicit mesh); the optimizer state follows from them by sharding-in-types, except that
     ZeRO-1 reshards the moments over `data`."""
-    model = models.build_model(cfg)
+    model = models.build_model(cfg, pipeline)
     tx = optimizer()
     mesh = plan.abstract_mesh(explicit=True)
 
@@ -130,11 +131,12 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
 
 
 def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
-                            optimizer_over_data: bool = False) -> list[TensorLayout]:
+                            optimizer_over_data: bool = False,
+                            pipeline: PipelineConfig | None = None) -> list[TensorLayout]:
     """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs
     (a scalar JAX leaves unannotated is replicated)."""
     out = []
-    for path, array, logical in leaves(explicit_state(cfg, plan, rule_set, optimizer_over_data)):
+    for path, array, logical in leaves(explicit_state(cfg, plan, rule_set, optimizer_over_data, pipeline)):
         spec = array.sharding.spec if array.sharding is not None else PartitionSpec()
         out.append(TensorLayout(path, tuple(array.shape), jnp.dtype(array.dtype).name, logical,
                                 spec, plan.sizes))

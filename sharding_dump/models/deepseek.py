@@ -26,15 +26,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import MLA_INPUT, MLA_OUT, MLA_QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.decoder import DecoderLM, Stack
 from sharding_dump.models.dense import MlpBlock
-from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, scan_layers
-from sharding_dump.models.pipeline import apply_layer_stack, stage_as_data
+from sharding_dump.models.layers import BLE, Dense, RMSNorm
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary, yarn_mscale
-
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -132,32 +131,14 @@ class DeepSeekMoeLayer(DeepSeekLayer):
     moe: bool = True
 
 
-class DeepSeekDecoder(nn.Module):
-    """Dense stack, MoE stack, final norm, untied output projection."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        if cfg.first_num_dense_layers:
-            dense = scan_layers(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers")(cfg, name="dense_layers")
-            if cfg.pipeline is None:
-                x, _ = dense(x, positions)
-            else:
-                # As in MaxText, the dense layers are not pipelined: `stage` splits their batch like data.
-                with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-                    x, _ = dense(x, positions)
-        # The MoE stack is the one a pipeline cuts into stages (cfg.pipelined_stack_layers); MoE layers it
-        # leaves out run before it, after the dense ones.
-        x = apply_layer_stack(cfg, DeepSeekMoeLayer, cfg.num_moe_layers, x, positions, name="moe_layers",
-                              layer_axis="moe_layers", outside_first=True)
-        return output_logits(cfg, x)
-
-
 class DeepSeekDecoderLM(DecoderLM):
-    """Token ids (batch, length) -> logits (batch, length, vocab)."""
+    """Token ids (batch, length) -> logits (batch, length, vocab): the dense stack, then the MoE stack,
+    which is the one a pipeline cuts (MoE layers it leaves out run before it, after the dense ones)."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return DeepSeekDecoder(self.cfg)
-
+    @classmethod
+    def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
+        moe = Stack(DeepSeekMoeLayer, cfg.num_decoder_layers - cfg.first_num_dense_layers, "moe_layers",
+                    pipelined=True, outside_first=True)
+        if not cfg.first_num_dense_layers:
+            return (moe,)
+        return (Stack(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers"), moe)

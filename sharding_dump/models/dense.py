@@ -25,12 +25,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, activation, apply_rope, output_logits
-from sharding_dump.models.pipeline import apply_layer_stack
-
+from sharding_dump.models.decoder import DecoderLM
+from sharding_dump.models.layers import BLE, Dense, RMSNorm, activation
+from sharding_dump.models.rope import apply_rotary
 
 
 class MlpBlock(nn.Module):
@@ -69,8 +69,8 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             q = RMSNorm(cfg, name="query_norm")(q)
             k = RMSNorm(cfg, name="key_norm")(k)
-        q = apply_rope(q, positions, cfg.rope_max_timescale)
-        k = apply_rope(k, positions, cfg.rope_max_timescale)
+        q = apply_rotary(q, positions, cfg)
+        k = apply_rotary(k, positions, cfg)
         q = constrain(q, QKV, "query")
         k = constrain(k, QKV, "key")
         v = constrain(v, QKV, "value")
@@ -95,22 +95,7 @@ class DecoderLayer(nn.Module):
         return constrain(x + h, BLE, "layer_output"), None
 
 
-class Decoder(nn.Module):
-    """The layer stack (scanned or pipelined), final norm and output projection."""
-
-    cfg: ModelConfig
-    shared_embedding: Embed | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        x = apply_layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers, x, positions, name="layers")
-        return output_logits(cfg, x, self.shared_embedding)
-
-
 class DenseDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return Decoder(self.cfg, shared_embedding=shared)
-
+    layer = DecoderLayer

@@ -18,14 +18,13 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from sharding_dump.activations import constrain
+from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, weight_param
-from sharding_dump.models.pipeline import apply_layer_stack
+from sharding_dump.models.decoder import DecoderLM
+from sharding_dump.models.layers import BLE, Dense, RMSNorm, weight_param
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
-
 
 
 class GptOssAttention(nn.Module):
@@ -88,21 +87,7 @@ class GptOssBlock(nn.Module):
         return x, None
 
 
-class GptOssDecoder(nn.Module):
-    """The scanned blocks, final norm, untied output projection."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        x = apply_layer_stack(cfg, GptOssBlock, cfg.pipelined_stack_layers, x, positions, name="layers")
-        return output_logits(cfg, x)
-
-
 class GptOssDecoderLM(DecoderLM):
-    """Token ids (batch, length) -> logits (batch, length, vocab)."""
+    """Token ids (batch, length) -> logits (batch, length, vocab); the untied output projection."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return GptOssDecoder(self.cfg)
-
+    layer = GptOssBlock
