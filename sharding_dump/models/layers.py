@@ -112,5 +112,7 @@ def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | Non
         logits = shared_embedding.attend(x)
     else:
         logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
+    if cfg.final_logits_soft_cap:
+        logits = jnp.tanh(logits / cfg.final_logits_soft_cap) * cfg.final_logits_soft_cap
     return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
                      "logits")
