@@ -26,12 +26,14 @@ MLA_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "ac
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scale: float,
-                     sliding_window: int = 0, sinks: jax.Array | None = None, soft_cap: float = 0.0) -> jax.Array:
+                     sliding_window: int = 0, sinks: jax.Array | None = None, soft_cap: float = 0.0,
+                     selected: jax.Array | None = None) -> jax.Array:
     """query (b, t, heads, d), key (b, s, kv_heads, d), value (b, s, kv_heads, dv) -> (b, t, heads, dv).
 
     `sliding_window` > 0 lets a position see only the last `sliding_window` positions; `sinks`
     (heads,) adds one extra logit per head that takes probability mass but contributes no value;
-    `soft_cap` > 0 bounds the logits smoothly to (-soft_cap, soft_cap) (Gemma 2)."""
+    `soft_cap` > 0 bounds the logits smoothly to (-soft_cap, soft_cap) (Gemma 2); `selected` (b, t, s)
+    lets query t see only the keys chosen for it (DeepSeek's sparse attention indexer)."""
     batch, length, heads, _ = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
@@ -43,6 +45,8 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
     visible = positions[None, :] <= positions[:, None]
     if sliding_window:
         visible &= positions[None, :] > positions[:, None] - sliding_window
+    if selected is not None:
+        visible = visible & selected[:, None, None]
     logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, group, 1, 1),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
@@ -62,6 +63,13 @@ def qk_normed(cfg: ModelConfig, x: jax.Array, name: str, over_heads: bool = Fals
     return RMSNorm(cfg, name=name)(x.reshape(x.shape[:-2] + (-1,))).reshape(x.shape)
 
 
+def l2_normed(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x divided by the root mean square of its last dim (no learned scale)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.normalization_layer_epsilon)
+            ).astype(x.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention with rotary positions (and optional q/k RMS norms, logit
     soft cap, and a sliding window of `sliding_window` positions when > 0)."""
@@ -70,6 +78,8 @@ class Attention(nn.Module):
     sliding_window: int = 0
     qk_norm: bool | None = None  # None: the card's use_qk_norm (Gemma 3's layer always norms them)
     global_qk_norm: bool = False  # norm over all heads at once, not per head (OLMo 3)
+    use_rope: bool = True  # False: no position embedding at all (Llama 4's NoPE layers)
+    qk_l2_norm: bool = False  # L2-normalise queries and keys after RoPE, no parameters (Llama 4)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -90,8 +100,11 @@ class Attention(nn.Module):
         local = self.sliding_window and cfg.local_rope_max_timescale
         timescale = cfg.local_rope_max_timescale if local else None
         scaling = 1.0 if self.sliding_window else cfg.rope_linear_scaling_factor
-        q = apply_rotary(q, positions, cfg, timescale, scaling)
-        k = apply_rotary(k, positions, cfg, timescale, scaling)
+        if self.use_rope:
+            q = apply_rotary(q, positions, cfg, timescale, scaling)
+            k = apply_rotary(k, positions, cfg, timescale, scaling)
+            if self.qk_l2_norm:
+                q, k = l2_normed(q, cfg), l2_normed(k, cfg)
         q = constrain(q, QKV, "query")
         k = constrain(k, QKV, "key")
         v = constrain(v, QKV, "value")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.dense import MlpBlock
 from sharding_dump.models.layers import activation, weight_param
 
 ROUTER_AXES = ("activation_batch", "activation_norm_length", None)
@@ -124,4 +125,18 @@ class RoutedExperts(nn.Module):
             wo_bias = weight_param(self, "wo_bias", (experts, embed), ("exp", "activation_embed"), cfg,
                                    nn.initializers.zeros)
             out = out + jnp.einsum("bse,ed->bsd", combine, wo_bias).astype(dtype)
+        return out
+
+
+class RoutedAndSharedExperts(nn.Module):
+    """Routed experts plus always-on shared experts (DeepSeek, Llama 4): MaxText's RoutedAndSharedMoE."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        out = RoutedExperts(cfg, gate_embed_axis="embed_moe", name="MoeBlock_0")(x)
+        if cfg.shared_experts:
+            out = out + MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(x)
         return out
