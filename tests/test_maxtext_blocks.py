@@ -31,10 +31,17 @@ MAXTEXT_PARAMETERS = {
     "gemma3-4b": 3_880_099_328,
     "gemma3-12b": 11_765_788_416,
     "gemma3-27b": 27_009_002_240,
+    "deepseek3.2-671b": 671_877_944_064,
+    "llama4-17b-16e": 107_769_861_120,
+    "llama4-17b-128e": 400_711_848_960,
     "mistral-7b": 7_241_732_096,
+    "olmo3-7b": 7_298_011_136,
+    "olmo3-7b-pt": 7_298_011_136,
+    "olmo3-32b": 32_233_522_176,
     "qwen2.5-1.5b": 1_543_714_304,
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-14b": 14_770_033_664,
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
 # Blocks whose shipped cards do not yet equal MaxText's model, and why.
 NOT_YET_EQUAL = {"gemma": "its cards keep the published vocabulary 256000; MaxText's configs pad it to 256128"}

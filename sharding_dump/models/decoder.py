@@ -41,6 +41,25 @@ class Stack:
     options: tuple[tuple[str, Any], ...] = ()
 
 
+class LayerCycle(nn.Module):
+    """One scanned unit of `inhomogeneous_layer_cycle_interval` layers, named layers_0 ... as MaxText's
+    scannable blocks name them; layer k is `layer(cfg, **options(k))`, (x, positions) -> x."""
+
+    cfg: ModelConfig
+    layer: ClassVar[type[nn.Module]]
+    prefix: ClassVar[str] = "layers_"  # MaxText's Qwen3-Next names them layer_0 ...
+
+    def options(self, index: int) -> dict[str, Any]:
+        """Keyword arguments of layer `index` (which kind of attention or MLP it has)."""
+        return {}
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        for index in range(self.cfg.inhomogeneous_layer_cycle_interval):
+            x = self.layer(self.cfg, name=f"{self.prefix}{index}", **self.options(index))(x, positions)
+        return x, None
+
+
 class Decoder(nn.Module):
     """The stacks in order, the final norm and the output projection (through `shared_embedding`
     when the card ties them)."""

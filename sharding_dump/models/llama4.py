@@ -25,7 +25,7 @@ import jax
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.decoder import DecoderLM
+from sharding_dump.models.decoder import DecoderLM, LayerCycle
 from sharding_dump.models.dense import Attention, MlpBlock
 from sharding_dump.models.layers import BLE, RMSNorm
 from sharding_dump.models.moe import RoutedAndSharedExperts
@@ -59,19 +59,13 @@ class Llama4DecoderLayer(nn.Module):
         return constrain(x + constrain(h, BLE, "mlp_output"), BLE, "layer_output")
 
 
-class Llama4Block(nn.Module):
-    """One scanned unit: `inhomogeneous_layer_cycle_interval` layers, named layers_0 ..."""
+class Llama4Block(LayerCycle):
+    """One scanned unit: `inhomogeneous_layer_cycle_interval` layers, MoE and NoPE as the card's steps say."""
 
-    cfg: ModelConfig
+    layer = Llama4DecoderLayer
 
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        cfg = self.cfg
-        for index in range(cfg.inhomogeneous_layer_cycle_interval):
-            layer = Llama4DecoderLayer(cfg, every(cfg.nope_layer_interval, index),
-                                       every(cfg.interleave_moe_layer_step, index), name=f"layers_{index}")
-            x = layer(x, positions)
-        return x, None
+    def options(self, index: int) -> dict[str, bool]:
+        return {"nope": every(self.cfg.nope_layer_interval, index), "moe": every(self.cfg.interleave_moe_layer_step, index)}
 
 
 class Llama4DecoderLM(DecoderLM):

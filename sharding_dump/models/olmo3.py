@@ -24,7 +24,7 @@ import jax
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.decoder import DecoderLM
+from sharding_dump.models.decoder import DecoderLM, LayerCycle
 from sharding_dump.models.dense import Attention, MlpBlock
 from sharding_dump.models.layers import BLE, RMSNorm
 
@@ -49,17 +49,13 @@ class Olmo3DecoderLayer(nn.Module):
         return constrain(x + constrain(h, BLE, "post_mlp_norm"), BLE, "layer_output")
 
 
-class Olmo3Block(nn.Module):
-    """One scanned unit: `inhomogeneous_layer_cycle_interval` layers, named layers_0 ..."""
+class Olmo3Block(LayerCycle):
+    """One scanned unit: `inhomogeneous_layer_cycle_interval` layers, every fourth global."""
 
-    cfg: ModelConfig
+    layer = Olmo3DecoderLayer
 
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        for index in range(self.cfg.inhomogeneous_layer_cycle_interval):
-            window = self.cfg.sliding_window_size if index % GLOBAL_EVERY != GLOBAL_EVERY - 1 else 0
-            x = Olmo3DecoderLayer(self.cfg, window, name=f"layers_{index}")(x, positions)
-        return x, None
+    def options(self, index: int) -> dict[str, int]:
+        return {"sliding_window": self.cfg.sliding_window_size if index % GLOBAL_EVERY != GLOBAL_EVERY - 1 else 0}
 
 
 class Olmo3DecoderLM(DecoderLM):
