@@ -35,6 +35,7 @@ class Stack:
     layer: type[nn.Module]
     length: int
     name: str = "layers"
+    axis: str | None = None  # the logical name of the layer axis, when not `name` (Gemma 4's scanned_blocks)
     pipelined: bool = False
     outside_first: bool = False
     scanned: bool = True
@@ -76,11 +77,12 @@ class Decoder(nn.Module):
                 x, _ = stack.layer(self.cfg, name=stack.name, **dict(stack.options))(x, positions)
             elif stack.pipelined or self.pipeline is None:
                 x = apply_layer_stack(self.cfg, self.pipeline if stack.pipelined else None, stack.layer, stack.length,
-                                      x, positions, name=stack.name, outside_first=stack.outside_first)
+                                      x, positions, name=stack.name, axis=stack.axis, outside_first=stack.outside_first)
             else:
                 # As in MaxText, a stack the pipeline does not cut splits its batch over `stage` like data.
                 with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-                    x = apply_layer_stack(self.cfg, None, stack.layer, stack.length, x, positions, name=stack.name)
+                    x = apply_layer_stack(self.cfg, None, stack.layer, stack.length, x, positions, name=stack.name,
+                                          axis=stack.axis)
         return output_logits(self.cfg, x, self.shared_embedding)
 
 

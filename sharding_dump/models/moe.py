@@ -95,16 +95,21 @@ class RoutedExperts(nn.Module):
 
     cfg: ModelConfig
     gate_embed_axis: str = "embed"
+    expert_scale: bool = False  # a learned output scale per expert (Gemma 4's per_expert_scale)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, gate_inputs: jax.Array | None = None) -> jax.Array:
+        """x routed by the router's reading of `gate_inputs` (default x)."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         experts, embed, width = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
         x = constrain(x, ROUTER_AXES, "inputs")
-        logits, bias = Router(cfg, self.gate_embed_axis, name="gate")(x)
+        logits, bias = Router(cfg, self.gate_embed_axis, name="gate")(x if gate_inputs is None else gate_inputs)
         logits = constrain(logits.astype(dtype), ROUTER_AXES, "gate_logits")
         weights, indices = route(cfg, logits, bias)
+        if self.expert_scale:
+            scale = weight_param(self, "per_expert_scale", (experts,), ("exp",), cfg, nn.initializers.ones)
+            weights = weights * jnp.take(scale.astype(jnp.float32), indices)
         combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, experts, dtype=jnp.float32), weights)
 
         wi_axes, wo_axes = ("exp", "embed_moe", "mlp_moe"), ("exp", "mlp_moe", "embed_moe")

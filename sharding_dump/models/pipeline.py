@@ -242,18 +242,20 @@ class Pipeline(nn.Module):
 
 
 def apply_layer_stack(cfg: ModelConfig, schedule: PipelineConfig | None, layer: type[nn.Module], num_layers: int,
-                      x: jax.Array, positions: jax.Array, name: str = "layers", outside_first: bool = False) -> jax.Array:
+                      x: jax.Array, positions: jax.Array, name: str = "layers", axis: str | None = None,
+                      outside_first: bool = False) -> jax.Array:
     """`num_layers` copies of `layer` over x, scanned, or pipelined by `schedule`.
 
     Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`
     (and `<name>_outside_pipeline` for the layers the pipeline leaves out). Scanned weights carry the
-    logical name `name` on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE stack), as
-    MaxText names a scanned stack's axis after the stack; pipelined ones carry `layers` (on `stage`).
+    logical name `axis` (default `name`) on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE
+    stack), as MaxText names a scanned stack's axis; pipelined ones carry `layers` (on `stage`).
     The layers a pipeline leaves out run under :func:`stage_as_data` rules, after the pipeline with
-    layer axis `layers_outside_pipeline`, or before it with layer axis `name` when `outside_first`
+    layer axis `layers_outside_pipeline`, or before it with layer axis `axis` when `outside_first`
     (DeepSeek, as MaxText orders them)."""
+    axis = axis or name
     if schedule is None:
-        x, _ = scan_layers(layer, num_layers, name)(cfg, name=name)(x, positions)
+        x, _ = scan_layers(layer, num_layers, axis)(cfg, name=name)(x, positions)
         return x
     rest = num_layers - schedule.num_layers
 
@@ -263,7 +265,7 @@ def apply_layer_stack(cfg: ModelConfig, schedule: PipelineConfig | None, layer: 
         return x
 
     if rest and outside_first:
-        x = outside(x, name)
+        x = outside(x, axis)
     x = Pipeline(cfg, schedule, layer, name=name)(x, positions)
     if rest and not outside_first:
         x = outside(x, OUTSIDE_LOGICAL)
