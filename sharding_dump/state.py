@@ -106,7 +106,9 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
     tx = optimizer()
     mesh = plan.abstract_mesh(explicit=True)
 
-    def place(box: nn.Partitioned) -> nn.Partitioned:
+    def place(box: nn.Partitioned | jax.Array) -> nn.Partitioned | jax.Array:
+        if not _is_box(box):  # a parameter without logical axes (Qwen3-Next's decay) stays replicated
+            return box
         spec = rules.to_mesh_axes(box.names, rule_set.logical_axis_rules)
         return box.replace_boxed(jax.sharding.reshard(box.value, NamedSharding(mesh, spec)))
 

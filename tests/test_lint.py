@@ -38,6 +38,8 @@ EXPECTED_FINDINGS = {
     "num_pipeline_microbatches=8_shard_optimizer_over_data=true": "replicated",
     "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_ici_pipeline_parallelism=2_"
     "num_pipeline_microbatches=8_shard_optimizer_over_data=true_shard_mode=explicit": "replicated",
+    # DeepSeek-V3.2 (672B) on 16 chips does not fit; the case is the one checked against MaxText's dump.
+    "deepseek3.2-671b/tpu7x-16/slice_1/rule_default": "memory",
 }
 
 
