@@ -9,11 +9,16 @@ The public API is small and model-agnostic; everything is imported on first use,
 
 Pieces, for your own step or state:
 
+* :class:`ModelProgram`, :class:`TrainProgram`, :class:`Input`: the training program a factory returns
+  (the model and how to call it, or the user's own init and step);
 * :func:`abstract_train_state`, :func:`as_model`, :func:`parameter_count`: the abstract state;
 * :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set;
 * :func:`record_activations`, :func:`constrain`: activation constraints met while tracing;
 * :func:`golden_documents`, :func:`check_or_update_folder`: golden JSON and the check-or-update engine;
-* the built-in zoo: :class:`Case`, :func:`dump_case`, :func:`check_or_update`, :func:`load_matrix`.
+* :class:`Case` and :func:`load_matrix`: a case of the built-in zoo (or of your factory) for the
+  `sharding_golden` pytest fixture.
+
+Everything else (the zoo's settings, meshes, rules, the commands) is internal: see the README's Layout.
 """
 
 from __future__ import annotations
@@ -39,18 +44,18 @@ _EXPORTS = {
     "read_constraints": "sharding_dump.core.capture",
     "Constraint": "sharding_dump.core.capture",
     "next_token_step": "sharding_dump.core.step",
+    "ModelProgram": "sharding_dump.core.program",
+    "TrainProgram": "sharding_dump.core.program",
+    "Input": "sharding_dump.core.program",
+    "ProgramError": "sharding_dump.core.program",
     "golden_documents": "sharding_dump.core.documents",
     "dump_model": "sharding_dump.core.model_dump",
     "spec_to_json": "sharding_dump.core.specs",
-    "check_or_update_folder": "sharding_dump.golden",
-    "check_or_update": "sharding_dump.golden",
-    "Outcome": "sharding_dump.golden",
+    "check_or_update_folder": "sharding_dump.golden.engine",
+    "Outcome": "sharding_dump.golden.engine",
     "BadInput": "sharding_dump.errors",
-    "Case": "sharding_dump.case",
-    "golden_dir": "sharding_dump.case",
-    "load_matrix": "sharding_dump.case",
-    "dump_case": "sharding_dump.dump",
-    "render_case": "sharding_dump.dump",
+    "Case": "sharding_dump.zoo.case",
+    "load_matrix": "sharding_dump.zoo.case",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,6 +1,6 @@
 """pytest plugin: golden checks for sharding cases, registered by the `pytest11` entry point.
 
-With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.project`) naming
+With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.zoo.project`) naming
 case files, `pytest` collects one test per case of them from that pyproject.toml, with no test code:
 the dump must equal its golden, byte for byte; plus one test that fails naming every golden path no
 case produces. `--update-goldens` rewrites what differs, creates what is missing, deletes the stale
@@ -33,12 +33,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from sharding_dump.case import Case
-    from sharding_dump.golden import Outcome
-    from sharding_dump.project import Project
+    from sharding_dump.golden.engine import Outcome
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.project import Project
 
 SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
-KINDS = ("updated", "created", "unchanged", "deleted")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,23 +55,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def project_of(config: pytest.Config) -> "Project":
-    """The project configuration for this run: [tool.sharding-dump] found from the invocation folder
-    upward, then the ini options. Bad configuration is a usage error (one line, no traceback)."""
+    """The project configuration for this run: [tool.sharding-dump] of the project the paths given to
+    pytest are in (a pyproject.toml named on the command line is its own project), else the nearest one
+    at or above pytest's ini file (its rootdir when there is none), else at or above the invocation
+    folder; then the ini options. So `pytest repo/`, `pytest repo/pyproject.toml::CASE` and a run from
+    `repo/tests` find the same cases. Bad configuration is a usage error (one line, no traceback)."""
     cached = getattr(config, "_sharding_dump_project", None)
     if cached is not None:
         return cached
     from sharding_dump.errors import BadInput
-    from sharding_dump.project import load_project
+    from sharding_dump.zoo.project import find_pyproject, load_project
 
     base = Path(config.inipath).parent if config.inipath else Path(config.rootpath)
+    invocation = Path(config.invocation_params.dir)
     try:
-        project = load_project(Path(config.invocation_params.dir))
+        around = sorted({source for path in _arg_paths(config)
+                         if (source := find_pyproject(path if path.is_dir() else path.parent))})
+        if len(around) > 1:
+            raise BadInput(f"the paths given are in {len(around)} projects with [tool.sharding-dump] "
+                           f"({', '.join(map(str, around))}): run one project per pytest run")
+        source = next(iter(around), None) or find_pyproject(base.resolve()) or find_pyproject(invocation.resolve())
+        project = load_project(source.parent if source else invocation)
         project = project.with_overrides(config.getini("sharding_dump_cases") or None,
                                          config.getini("sharding_dump_golden_dir") or None, base)
     except BadInput as err:
         raise pytest.UsageError(f"sharding-dump: error: {err}") from None
     config._sharding_dump_project = project  # type: ignore[attr-defined]
     return project
+
+
+def _arg_paths(config: pytest.Config) -> list[Path]:
+    """The existing paths among the run's collection arguments (`path::test` ids cut to the path)."""
+    invocation = Path(config.invocation_params.dir)
+    paths = [(invocation / arg.split("::", 1)[0]).resolve() for arg in config.args]
+    return [path for path in paths if path.exists()]
 
 
 def _anchor(config: pytest.Config) -> Path | None:
@@ -164,33 +180,36 @@ class GoldenChecker:
             self.item.user_properties.append((SUMMARY_KEY, (kind, count)))
 
     def check(self, case: "Case") -> "Outcome":
-        from sharding_dump import golden
         from sharding_dump.errors import BadInput, one_line
+        from sharding_dump.zoo import goldens
 
         try:
             if self.update:
-                outcome, kind = golden.update(case, self.root)
+                outcome, kind = goldens.update(case, self.root)
                 self._note(kind)
                 return outcome
-            outcome = golden.check_or_update(case, self.root, update=False)
+            outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
             pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
-            from sharding_dump import verify
+            from sharding_dump.commands.verify.render import render_case
+            from sharding_dump.commands.verify.run import verify_case
+            from sharding_dump.commands.verify.settings import Options, default_threshold
 
-            result = verify.verify_case(case, verify.Options(verify.default_threshold(), self.root))
+            result = verify_case(case, Options(default_threshold(), self.root))
             if result.failures:
-                pytest.fail(verify.render_case(result), pytrace=False)
+                pytest.fail(render_case(result), pytrace=False)
         return outcome
 
     def check_stale(self, cases: Iterable["Case"]) -> list[Path]:
         """Fails naming every golden path no case of `cases` produces; under --update-goldens removes
         them and returns what it removed."""
-        from sharding_dump import stale
+        from sharding_dump.golden import stale
+        from sharding_dump.zoo.case import golden_dir
 
-        paths = stale.stale_paths(self.root, cases)
+        paths = stale.stale_paths(self.root, [golden_dir(case, self.root) for case in cases])
         if paths and not self.update:
             pytest.fail(stale.report(paths), pytrace=False)
         stale.remove(paths)
@@ -228,11 +247,53 @@ class _Tally:
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if config.getoption("--update-goldens") and sum(self.counts.values()):
-            from sharding_dump.report import golden_summary
+            from sharding_dump.golden.engine import summary_line
 
-            terminalreporter.write_line(golden_summary(self.counts))
+            terminalreporter.write_line(summary_line(self.counts))
+
+
+class _Collected:
+    """Says so when a project configures cases but none of its golden tests is selected (a CI job
+    that runs `pytest tests/` would otherwise pass while checking no golden)."""
+
+    def __init__(self, anchor: Path, rootpath: Path, in_paths: bool) -> None:
+        self.anchor = anchor
+        self.rootpath = rootpath
+        self.in_paths = in_paths
+        self.seen = False
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.seen = self.seen or any(isinstance(item, (CaseItem, StaleItem)) for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        # under pytest-xdist the workers collect: the controller sees their selected test ids
+        self.seen = self.seen or any((self.rootpath / i.split("::", 1)[0]).resolve() == self.anchor
+                                     for i in ids if "::" in i)
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        if self.seen or hasattr(config, "workerinput"):
+            return
+        why = ("-k/-m deselected all of them" if self.in_paths else
+               f"it is not among the paths given: add {self.anchor.name} to them, or run pytest without paths")
+        terminalreporter.write_line(f"sharding-dump: warning: no golden test ran: {self.anchor} configures "
+                                    f"sharding cases, but {why}", yellow=True, bold=True)
+
+
+def _covered(anchor: Path, paths: Iterable[Path]) -> bool:
+    return any(path == anchor or path in anchor.parents for path in paths)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     project_of(config)  # a bad [tool.sharding-dump] is a usage error before anything runs
     config.pluginmanager.register(_Tally(), "sharding-dump-tally")
+    anchor = _anchor(config)
+    if anchor is None:
+        return
+    # A run without paths (from a subfolder, or with testpaths that leave it out) runs the project's
+    # golden tests too; paths given explicitly are respected, and a warning says what they left out.
+    in_paths = _covered(anchor, _arg_paths(config))
+    if config.args_source is not pytest.Config.ArgsSource.ARGS and not in_paths:
+        config.args.append(str(anchor))
+        in_paths = True
+    config.pluginmanager.register(_Collected(anchor, Path(config.rootpath), in_paths), "sharding-dump-collected")

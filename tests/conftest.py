@@ -11,5 +11,5 @@ import flax.nnx  # noqa: F401
 import jax  # noqa: F401
 import optax  # noqa: F401
 
-import sharding_dump.dump  # noqa: F401
-import sharding_dump.verify  # noqa: F401
+import sharding_dump.commands.verify  # noqa: F401
+import sharding_dump.zoo.dump  # noqa: F401

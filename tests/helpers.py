@@ -7,23 +7,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sharding_dump import cli, serialize
-from sharding_dump.case import Case, golden_dir
+from sharding_dump.commands import cli
+from sharding_dump.golden import codec
+from sharding_dump.zoo.case import Case, golden_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Runs `python -m sharding_dump.cli ARGS` in a fresh process (its own hash seed, imports, exit)."""
+    """Runs `python -m sharding_dump.commands.cli ARGS` in a fresh process (its own hash seed, imports, exit)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "sharding_dump.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=300)
 
 
 def committed_golden(case: Case, name: str) -> dict:
     """One of the repository's committed golden documents of `case`, schema-checked: what the golden
     tests compare with a fresh dump, so other tests may inspect it rather than dump the case again."""
-    return serialize.read_document(golden_dir(case, REPO / "golden") / name)
+    return codec.read_document(golden_dir(case, REPO / "golden") / name)
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:

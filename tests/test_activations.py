@@ -4,16 +4,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 from helpers import REPO
-from sharding_dump import activations, rules
-from sharding_dump.activations import constrain
-from sharding_dump.case import Case
+from sharding_dump.core import capture as activations
+from sharding_dump.core.capture import constrain
 from sharding_dump.core.step import BATCH_FIELDS
-from sharding_dump.dump import abstract_state_of, render_case, setup_case, trace_case
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import check_or_update
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import (
+    abstract_state_of,
+    render_case,
+    setup_case,
+    trace_case,
+)
+from sharding_dump.zoo.goldens import check_or_update
 
 
 def trace(case: Case):
@@ -168,7 +175,7 @@ def test_changed_activation_batch_rule_names_the_activations(tmp_path):
 
 
 def test_activation_schema_rejects_bad_entries():
-    from sharding_dump.serialize import check_document
+    from sharding_dump.golden.codec import check_document
     doc = {
         "format_version": 1, "kind": "activations",
         "case": {"model": "m", "topology": "t", "num_slices": 1, "rule": "r", "overrides": {}},

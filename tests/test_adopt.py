@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from sharding_dump import cli
+from sharding_dump.commands import cli
 
 PYPROJECT = """\
 [project]
@@ -132,3 +132,58 @@ def test_case_file_errors_name_the_file(project: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*sharding-dump: error: case matrix *cases.yml: field cases/0: "
                                  "'topology' is a required property*"])
     assert result.ret == pytest.ExitCode.INTERRUPTED
+
+
+def collected(result: pytest.RunResult) -> list[str]:
+    """The test ids of a `--collect-only -q` run, as pytest prints them (relative to its rootdir)."""
+    return [line for line in result.stdout.lines if "::" in line]
+
+
+def test_golden_tests_are_found_from_anywhere(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest's rootdir and ini file, not the working folder, say where [tool.sharding-dump] is: from a
+    parent folder, with the project's pyproject.toml::CASE as the argument, or from a subfolder with no
+    argument (as an IDE runs it), the same golden tests are collected."""
+    (project.path / "tests").mkdir()
+    (project.path / "tests/test_plain.py").write_text("def test_plain():\n    pass\n")
+    expected = [f"pyproject.toml::{TP_CASE}", f"pyproject.toml::{DP_CASE}", "pyproject.toml::no stale goldens"]
+    here = run(project, "--collect-only", "-q")
+    assert collected(here) == expected + ["tests/test_plain.py::test_plain"]
+
+    monkeypatch.chdir(project.path.parent)
+    assert collected(run(project, "--collect-only", "-q", str(project.path))) == collected(here)
+    one = run(project, "--collect-only", "-q", f"{project.path}/pyproject.toml::{DP_CASE}")
+    assert collected(one) == [f"pyproject.toml::{DP_CASE}"]
+
+    monkeypatch.chdir(project.path / "tests")
+    assert collected(run(project, "--collect-only", "-q")) == ["tests/test_plain.py::test_plain"] + expected
+
+    # and they run from there: the case has no golden yet, so it fails with a command that works from there
+    monkeypatch.chdir(project.path.parent)
+    result = run(project, str(project.path), "-k", "rule_dp or stale")
+    result.assert_outcomes(failed=1, passed=1, deselected=2)
+    where = project.path.name
+    result.stdout.fnmatch_lines([f"*missing in {where}/sharding/goldens/{DP_CASE}).",
+                                 f"*--rule {where}/sharding/rules/dp.yml * --golden-dir {where}/sharding/goldens"])
+
+
+def test_configured_cases_left_out_are_said(project: pytest.Pytester) -> None:
+    (project.path / "tests").mkdir()
+    (project.path / "tests/test_plain.py").write_text("def test_plain():\n    pass\n")
+    result = run(project, "tests")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"sharding-dump: warning: no golden test ran: {project.path}/pyproject.toml "
+                                 "configures sharding cases, but it is not among the paths given: add pyproject.toml to them*"])
+    run(project, "-k", "plain").stdout.fnmatch_lines(["sharding-dump: warning: no golden test ran: * configures "
+                                                     "sharding cases, but -k/-m deselected all of them"])
+    assert "no golden test ran" not in run(project, "--collect-only", "-q").stdout.str()
+
+
+def test_paths_in_two_projects_are_one_line(project: pytest.Pytester) -> None:
+    other = project.path / "other"
+    other.mkdir()
+    (other / "pyproject.toml").write_text('[tool.sharding-dump]\ncases = ["cases.yml"]\n')
+    result = run(project, "--collect-only", str(project.path / "sharding"), str(other))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert ("sharding-dump: error: the paths given are in 2 projects with [tool.sharding-dump] "
+            f"({project.path}/other/pyproject.toml, {project.path}/pyproject.toml): run one project per pytest run"
+            ) in result.stderr.str()

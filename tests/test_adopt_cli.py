@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from helpers import REPO
-from sharding_dump import cli
+from sharding_dump.commands import cli
 
 # Logical names of another codebase: nothing in the model carries them.
 FOREIGN_RULE = """\

@@ -3,12 +3,12 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sharding_dump import rules
-from sharding_dump.batch import plan_batch
 from sharding_dump.errors import BadInput
-from sharding_dump.mesh import plan_mesh
-from sharding_dump.settings import parse_overrides, resolve
-from sharding_dump.topology import load_topology
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.batch import plan_batch
+from sharding_dump.zoo.mesh import plan_mesh
+from sharding_dump.zoo.settings import parse_overrides, resolve
+from sharding_dump.zoo.topology import load_topology
 
 
 def plan(rule, topology, **overrides):

@@ -17,14 +17,18 @@ import pytest
 import yaml
 
 from helpers import REPO, assert_bad_input, committed_golden, run_cli
-from sharding_dump import cli, models, state
-from sharding_dump.case import Case, load_matrix
+from sharding_dump import models
+from sharding_dump.commands import cli
 from sharding_dump.errors import BadInput
-from sharding_dump.golden import check_or_update
 from sharding_dump.models.config import honoured_fields, load_card, resolve_model
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.goldens import check_or_update
 
 # Parameter counts of the published checkpoints, from each model's Hugging Face config
-# (meta-llama/Llama-3.1-*, mistralai/Mixtral-*-v0.1, Qwen/Qwen3-*, google/gemma-*).
+# (meta-llama/Llama-3.1-*, mistralai/Mixtral-*-v0.1, Qwen/Qwen3-*, google/gemma-*). A card follows
+# MaxText's model config where the two disagree: the Gemma cards have MaxText's 256128-row vocabulary
+# (its models/gemma-*.yml), the checkpoints 256000 rows; their counts are in MAXTEXT below.
 PUBLISHED = {
     "llama3.1-8b": 8_030_261_248,
     "llama3.1-70b": 70_553_706_496,
@@ -36,6 +40,14 @@ PUBLISHED = {
     "gemma-2b": 2_506_172_416,
     "gemma-7b": 8_537_680_896,
 }
+PUBLISHED_VOCAB = {"gemma-2b": 256_000, "gemma-7b": 256_000}
+# Counts of MaxText's own model where its config differs from the checkpoint: the published count plus
+# (256128 - 256000) rows of the tied embedding table, the only difference (MaxText e591f30,
+# configs/models/gemma-2b.yml and gemma-7b.yml: vocab_size 256128, logits_via_embedding true).
+MAXTEXT = {
+    "gemma-2b": 2_506_172_416 + 128 * 2048,
+    "gemma-7b": 8_537_680_896 + 128 * 3072,
+}
 
 
 def count(cfg: models.ModelConfig) -> int:
@@ -44,7 +56,16 @@ def count(cfg: models.ModelConfig) -> int:
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
 def test_parameter_count_is_the_published_count(model):
-    assert count(models.load_config(model)) == PUBLISHED[model]
+    cfg = models.load_config(model)
+    if model in PUBLISHED_VOCAB:  # the card has MaxText's vocabulary: the checkpoint's is checked here
+        cfg = dataclasses.replace(cfg, vocab_size=PUBLISHED_VOCAB[model])
+    assert count(cfg) == PUBLISHED[model]
+
+
+@pytest.mark.parametrize("model", sorted(MAXTEXT))
+def test_parameter_count_is_maxtexts_where_it_differs_from_the_checkpoint(model):
+    assert models.load_config(model).vocab_size == 256_128
+    assert count(models.load_config(model)) == MAXTEXT[model]
 
 
 def test_every_shipped_card_loads_and_its_block_builds_it():
@@ -201,7 +222,7 @@ def test_card_path_and_name_resolution(tmp_path):
     copy.write_text(shipped.read_text())
     with pytest.raises(BadInput, match=r"field name: 'llama3.1-8b' is the name of the model card .*own name"):
         resolve_model(str(copy))
-    with pytest.raises(BadInput, match=r"unknown model 'llama3.1-9b': valid models are .* or a path to a card file"):
+    with pytest.raises(BadInput, match=r"unknown model 'llama3.1-9b': valid models are the \d+ cards .*closest: llama3.1-8b.* or a path to a card file"):
         resolve_model("llama3.1-9b")
 
 

@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from helpers import REPO, run_cli, tree_bytes
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.cli import main
-from sharding_dump.golden import check_or_update
+from sharding_dump.commands.cli import main
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.goldens import check_or_update
 
 
 def test_dump_one_case(tmp_path):
@@ -133,3 +133,19 @@ def test_update_writes_exactly_cli_bytes(tmp_path):
     for f in folder.iterdir():
         assert f.read_bytes() == (REPO / "golden" / f.relative_to(tmp_path)).read_bytes()
     shutil.rmtree(tmp_path / case.model)
+
+
+def test_help_lists_every_command_on_one_line(capsys):
+    """`sharding-dump --help` names each command, dump included, on a line of its own, and each
+    command word runs its command."""
+    from sharding_dump.commands.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = lines[lines.index("commands (sharding-dump COMMAND --help for each):") + 1:]
+    assert [line.split()[0] for line in listed] == ["dump", "list", "diff", "check", "show", "verify"] == list(COMMANDS)
+    assert all(len(line.split()) > 3 for line in listed)
+    assert main(["dump", "--model", "qwen3-0.6b", "--topology", "cpu-8", "--rule", "nope"]) == 2
+    assert "unknown rule 'nope'" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from helpers import REPO
-from sharding_dump.case import golden_dir, load_matrix
+from sharding_dump.zoo.case import golden_dir, load_matrix
 
 REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
 TOOL = REPO / "tools" / "compare_maxtext.py"
@@ -124,10 +124,11 @@ def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
 def test_reference_activations_appear_in_our_activation_golden(case):
     """Every reference input_shardings.json entry with known logical axes appears in our activation
     dump with the same shape, dtype, logical axes and (size-1 mesh axes dropped) partition spec."""
-    from sharding_dump import reference, serialize
+    from sharding_dump.golden import codec
+    from sharding_dump.zoo import reference
 
     expected = reference.load_reference(reference_root() / case / "input_shardings.json")
-    ours = serialize.read_document(our_folder(case) / "activation_shardings.json")
+    ours = codec.read_document(our_folder(case) / "activation_shardings.json")
     result = reference.compare(expected, ours)
     assert result.mismatches == [] and result.ok
     assert result.checked == 21, result  # MaxText's 29 entries less its 8 with unknown axes

@@ -8,14 +8,16 @@ import functools
 import pytest
 
 from helpers import assert_bad_input, committed_golden
-from sharding_dump import cli, models, state
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.dump import dump_case, setup_case
+from sharding_dump import models
+from sharding_dump.commands import cli
 from sharding_dump.errors import BadInput
-from sharding_dump.mesh import plan_mesh
-from sharding_dump.rules import load_rule
-from sharding_dump.settings import parse_overrides, resolve
-from sharding_dump.topology import load_topology, topology_names
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.dump import dump_case, setup_case
+from sharding_dump.zoo.mesh import plan_mesh
+from sharding_dump.zoo.rules import load_rule
+from sharding_dump.zoo.settings import parse_overrides, resolve
+from sharding_dump.zoo.topology import load_topology, topology_names
 
 ATTN_INPUT = ["activation_batch_attn", "activation_input_length_attn", "activation_embed_attn"]
 ATTN_QKV = ["activation_kv_batch", "activation_length_attn", "activation_kv_heads", "activation_kv_head_dim"]
@@ -151,9 +153,9 @@ def test_uneven_splits_warn_on_stderr_and_still_dump(tmp_path, capsys):
 
 
 def test_check_reports_the_uneven_embed():
-    from sharding_dump import lint
+    from sharding_dump.commands import check
 
-    findings = [f for f in lint.lint_case(Case.make("deepseek3-671b", "tpu7x-2048", "default"))
+    findings = [f for f in check.lint_case(Case.make("deepseek3-671b", "tpu7x-2048", "default"))
                 if f.lint == "divisibility"]
     assert len(findings) == 22  # 22 parameters, their AdamW moments folded under them
     subjects = {f.subject for f in findings}
@@ -163,8 +165,8 @@ def test_check_reports_the_uneven_embed():
 
 def test_pipelining_puts_stage_before_data_in_the_mesh_and_the_input_batch():
     """MaxText (configs/types.py) swaps `stage` in front of `data` and leads data_sharding with it."""
-    from sharding_dump.case import Case
-    from sharding_dump.dump import setup_case
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.dump import setup_case
 
     setup = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={
         "ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "ici_data_parallelism": 2}))

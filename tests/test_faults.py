@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from sharding_dump import serialize
-from sharding_dump.case import Case, golden_dir
-from sharding_dump.golden import check_or_update, render
+from sharding_dump.golden import store
+from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.goldens import check_or_update, render
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [("qwen3-0.6b", "cpu-1", "default", {"max_target_length": 16, "per_device_batch_size": 1}),
@@ -39,7 +39,7 @@ def state(folder: Path) -> dict[str, bytes] | None:
 
 
 def temps(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if serialize.is_temp(p.name))
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if store.is_temp(p.name))
 
 
 def killed_write(n: int, folder: Path, files: dict[str, bytes], fallback: bool) -> bool:
@@ -47,11 +47,11 @@ def killed_write(n: int, folder: Path, files: dict[str, bytes], fallback: bool) 
     pid = os.fork()
     if pid == 0:  # the child does file system calls only, then dies or exits
         try:
-            os.environ[serialize.FAULT_ENV] = str(n)
+            os.environ[store.FAULT_ENV] = str(n)
             if fallback:
-                os.environ[serialize.NO_EXCHANGE_ENV] = "1"
-            serialize._steps = 0
-            serialize.write_case_folder(folder, files)
+                os.environ[store.NO_EXCHANGE_ENV] = "1"
+            store._steps = 0
+            store.write_case_folder(folder, files)
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
@@ -68,15 +68,15 @@ def test_a_case_folder_is_old_or_new_after_a_kill_at_every_step(tmp_path, fallba
     while True:
         n += 1
         folder = tmp_path / f"kill{n}" / "model/topo/slice_1/rule_x"
-        serialize.write_case_folder(folder, OLD)
+        store.write_case_folder(folder, OLD)
         killed = killed_write(n, folder, new, fallback)
         if fallback and state(folder) is None:  # killed between the two renames: the old one is aside
             assert [t.split(".")[-1].split("-")[0] for t in temps(folder.parent)] == ["new", "old"]
         else:
             assert state(folder) in (OLD, new), (n, state(folder))
-        serialize.recover_leftovers(folder)
+        store.recover_leftovers(folder)
         assert state(folder) in (OLD, new) and temps(tmp_path / f"kill{n}") == [], n
-        serialize.write_case_folder(folder, new)  # the next run
+        store.write_case_folder(folder, new)  # the next run
         assert state(folder) == new and temps(tmp_path / f"kill{n}") == []
         if not killed:
             break
@@ -85,7 +85,7 @@ def test_a_case_folder_is_old_or_new_after_a_kill_at_every_step(tmp_path, fallba
 
 def plant_old(root: Path) -> None:
     for case in CASES:
-        serialize.write_case_folder(golden_dir(case, root), OLD)
+        store.write_case_folder(golden_dir(case, root), OLD)
 
 
 def check_killed_tree(root: Path, fresh: dict[Case, dict[str, bytes]]) -> list[str]:
@@ -128,7 +128,7 @@ def pytest_project(tmp_path: Path) -> Path:
     """))
     (project / "test_cases.py").write_text(textwrap.dedent(f"""\
         import pytest
-        from sharding_dump.case import Case
+        from sharding_dump.zoo.case import Case
 
         CASES = [Case.make(m, t, r, 1, o) for m, t, r, o in {TINY!r}]
 
@@ -148,11 +148,11 @@ def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path):
     for point in (9,):
         root = tmp_path / f"cli{point}"
         plant_old(root)
-        env = {**os.environ, "PYTHONPATH": str(pkg), serialize.FAULT_ENV: str(point)}
-        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.cli", "--all", "--output-dir", str(root)],
+        env = {**os.environ, "PYTHONPATH": str(pkg), store.FAULT_ENV: str(point)}
+        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.cli", "--all", "--output-dir", str(root)],
                                       env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     plant_old(project / "golden")
-    env = {**os.environ, "PYTHONPATH": str(REPO), serialize.FAULT_ENV: "4"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), store.FAULT_ENV: "4"}
     runs[project / "golden"] = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--update-goldens"],
         cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -22,10 +22,11 @@ from typing import Callable
 
 import pytest
 
-from sharding_dump import cli, settings, topology
-from sharding_dump.case import MAX_NAME_CHARS
+from sharding_dump.commands import cli
 from sharding_dump.models import config as card_config
-from sharding_dump.resources import DATA_DIR, MODELS_DIR
+from sharding_dump.resources import MODELS_DIR
+from sharding_dump.zoo import settings, topology
+from sharding_dump.zoo.case import MAX_NAME_CHARS
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "qwen3-0.6b", "--topology", "cpu-1", "--rule", "default", "max_target_length=16",
@@ -445,7 +446,7 @@ def test_disk_errors_while_writing_are_one_line_and_leave_nothing(tmp_path, caps
 
 
 def test_long_overrides_make_a_short_stable_folder_name():
-    from sharding_dump.case import MAX_NAME_CHARS, Case
+    from sharding_dump.zoo.case import MAX_NAME_CHARS, Case
 
     long_rule = Case.make("qwen3-0.6b", "cpu-8", "default", overrides={"per_device_batch_size": "0.125", "max_target_length": "16",
                                      "num_pipeline_microbatches": "-1", "num_pipeline_repeats": "1",
@@ -507,7 +508,7 @@ def test_environment_cannot_break_the_command(tmp_path, capsys):
     assert cli.main(TINY + ["--output-dir", str(tmp_path / "plain")]) == 0
     env = {**os.environ, "JAX_PLATFORMS": "cuda", "JAX_NUMPY_DTYPE_PROMOTION": "strict", "JAX_ENABLE_X64": "1",
            "XLA_FLAGS": "--no_such_xla_flag", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "sharding_dump.cli", *TINY, "--output-dir", str(tmp_path / "env")],
+    result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", *TINY, "--output-dir", str(tmp_path / "env")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert tree(tmp_path / "env") == tree(tmp_path / "plain")
@@ -517,7 +518,7 @@ def test_environment_cannot_break_the_command(tmp_path, capsys):
 def test_standard_output_that_cannot_be_written_is_one_line(stdout):
     """A full device or a closed descriptor as standard output: one line on stderr, exit 2."""
     target = subprocess.DEVNULL if stdout == "closed" else open(stdout, "w")  # noqa: SIM115
-    command = [sys.executable, "-c", "import os, sys\nfrom sharding_dump import cli\n"
+    command = [sys.executable, "-c", "import os, sys\nfrom sharding_dump.commands import cli\n"
                + ("os.close(1)\nsys.stdout = None\n" if stdout == "closed" else "")
                + "sys.exit(cli.main(['list', 'rules']))"]
     result = subprocess.run(command, stdout=target, stderr=subprocess.PIPE, text=True, timeout=300,

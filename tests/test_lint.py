@@ -5,10 +5,11 @@ import json
 import pytest
 
 from helpers import REPO
-from sharding_dump import lint, rules
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.cli import main
-from sharding_dump.dump import case_layouts
+from sharding_dump.commands import check
+from sharding_dump.commands.cli import main
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.dump import case_layouts
 
 DEFAULT = REPO / "sharding_dump/rules/default.yml"
 
@@ -73,7 +74,7 @@ def test_kv_heads_not_divisible_by_tensor(capsys):
 def test_dimension_larger_than_its_split_but_not_a_multiple():
     """151936 rows over tensor=256: every device holds 594 rows but the last shard is padded."""
     case = Case.make("qwen3-0.6b", "tpu7x-256", "default", overrides={"ici_tensor_parallelism": "256"})
-    found = {f.subject: f for f in lint.lint_case(case) if f.lint == "divisibility"}
+    found = {f.subject: f for f in check.lint_case(case) if f.lint == "divisibility"}
     emb = found["params/token_embedder/embedding (and opt_state/0/mu, opt_state/0/nu)"]
     assert emb.message == "dim 0 (vocab) of size 151936 is split over tensor=256: 151936 is not a multiple of 256"
     assert emb.details == (f"rule: sharding_dump/rules/default.yml:{line_of(DEFAULT, '  - [vocab,')}  "
@@ -84,7 +85,7 @@ def test_dimension_larger_than_its_split_but_not_a_multiple():
 def test_product_of_several_axes_and_the_fallback_rule_that_applied():
     """The q_lora shape of problem on a dense model: embed (1024) over fsdp x expert = 2048."""
     case = Case.make("qwen3-0.6b", "tpu7x-2048", "default", overrides={"ici_expert_parallelism": "2"})
-    found = {f.subject.split(" ")[0]: f for f in lint.lint_case(case) if f.lint == "divisibility"}
+    found = {f.subject.split(" ")[0]: f for f in check.lint_case(case) if f.lint == "divisibility"}
     first = line_of(DEFAULT, "  - [embed, [fsdp, fsdp_transpose")
     fallback = line_of(DEFAULT, "  - [embed, [fsdp, context")
     key = found["params/decoder/layers/self_attention/key/kernel"]
@@ -143,7 +144,7 @@ def test_an_axis_of_size_1_shards_nothing(tmp_path):
     rule = tmp_path / "tp1.yml"
     rule.write_text("mesh_axes: [fsdp, tensor]\nlogical_axis_rules:\n  - [embed, tensor]\n"
                     "  - [embed_vocab, fsdp]\n  - [vocab, fsdp]\n")
-    (finding,) = lint.lint_case(Case.make("llama2-7b", "v5p-16", str(rule)))  # tensor = 1, fsdp = 8
+    (finding,) = check.lint_case(Case.make("llama2-7b", "v5p-16", str(rule)))  # tensor = 1, fsdp = 8
     assert finding.lint == "replicated" and "split over none of fsdp=8" in finding.message
     assert f"  dim 0 (embed): {rule}:3  [embed, tensor]" in finding.details
 
@@ -152,18 +153,18 @@ def test_model_card_rules_point_at_the_card():
     setup, layouts = case_layouts(Case.make("llama2-7b", "v5p-16", "default"))
     norm = next(t for t in layouts if t.path == "params/decoder/decoder_norm/scale")
     card = REPO / "sharding_dump/data/models/llama2-7b.yml"
-    assert lint.dimension_rules(setup.rule_set, norm) == [
+    assert check.dimension_rules(setup.rule_set, norm) == [
         f"  dim 0 (norm): sharding_dump/data/models/llama2-7b.yml:{line_of(card, 'logical_axis_rules:')}  [norm, fsdp]"]
 
 
 def test_memory_above_hbm():
-    findings = by_lint(lint.lint_case(Case.make("llama2-7b", "v5e-4", "default")))
+    findings = by_lint(check.lint_case(Case.make("llama2-7b", "v5e-4", "default")))
     assert list(findings) == ["memory"]
     (memory,) = findings["memory"]
     assert memory.message.startswith("params 6.3 GiB + optimizer state 12.6 GiB = 18.8 GiB per device, above the "
                                      "16.0 GiB HBM of one v5e device (118%)")
     assert memory.details[0] == "params/decoder/layers/mlp/wi_0/kernel (with its optimizer slots)  1.3 GiB"
-    assert not lint.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
+    assert not check.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
 
 
 def test_a_logical_name_nothing_uses(tmp_path):
@@ -172,7 +173,7 @@ def test_a_logical_name_nothing_uses(tmp_path):
                     "  - [mlp, tensor]\n  - [vocab, tensor]\n  - [heads, [tensor]]\n  - [cache_batch, []]\n")
     case = Case.make("llama2-7b", "v5p-16", str(rule),
                      overrides={"ici_tensor_parallelism": "-1", "ici_fsdp_parallelism": "1"})
-    findings = by_lint(lint.lint_case(case))
+    findings = by_lint(check.lint_case(case))
     assert "mesh-axis" not in findings  # a custom rule file replaces the rules: the card's norm rule is not used
     (name,) = findings["unknown-name"]  # cache_batch is a trainer axis: not reported
     assert name.subject == "logical axis 'embbed'" and name.details == (f"rule: {rule}:3  [embbed, tensor]",)

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from helpers import REPO, committed_golden
-from sharding_dump.case import Case, golden_dir, load_matrix
-from sharding_dump.dump import dump_case
-from sharding_dump.golden import check_or_update
+from sharding_dump.zoo.case import Case, golden_dir, load_matrix
+from sharding_dump.zoo.dump import dump_case
+from sharding_dump.zoo.goldens import check_or_update
 
 MOE_MODELS = ("deepseek2-16b", "deepseek3-671b", "gpt-oss-20b")
 

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding_dump import models, state
+from sharding_dump import models
 from sharding_dump.errors import BadInput
 from sharding_dump.models.attention import causal_attention
 from sharding_dump.models.config import check_card_consistency
 from sharding_dump.models.moe import route
+from sharding_dump.zoo import state
 
 
 @pytest.mark.parametrize("model,published,tolerance", [
@@ -44,6 +45,7 @@ TINY = {"emb_dim": 64, "num_query_heads": 4, "num_kv_heads": 4, "mlp_dim": 96, "
         "vocab_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "dtype": "float32"}
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("model,change", [
     ("deepseek2-16b", {"num_decoder_layers": 3, "first_num_dense_layers": 1, "kv_lora_rank": 16,
                        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}),
@@ -71,6 +73,7 @@ def test_forward_pass_is_real_and_causal(model, change):
     assert not jnp.allclose(original[:, 5:], changed[:, 5:], atol=1e-3)
 
 
+@pytest.mark.compile
 def test_routing_weights():
     routed = jax.jit(route, static_argnums=0)  # one compilation rather than one per operation
     logits = jax.random.normal(jax.random.key(0), (1, 3, 8))
@@ -86,6 +89,7 @@ def test_routing_weights():
     assert bool(jnp.all(indices == jax.lax.top_k(logits, 2)[1]))
 
 
+@pytest.mark.compile
 def test_attention_sinks_and_window():
     attend = jax.jit(causal_attention, static_argnames=("scale", "sliding_window"))
     query, key = jnp.zeros((1, 4, 2, 2)), jnp.zeros((1, 4, 1, 2))  # two query heads share one kv head

@@ -9,12 +9,14 @@ import sys
 import pytest
 
 from helpers import REPO, assert_bad_input, committed_golden, run_cli
-from sharding_dump import activations, models, state
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.dump import setup_case, trace_case
+from sharding_dump.core import capture as activations
 from sharding_dump.errors import BadInput
+from sharding_dump import models
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
-from sharding_dump.pipeline_plan import check_batch
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.dump import setup_case, trace_case
+from sharding_dump.zoo.pipeline_plan import check_batch
 
 MATRIX = load_matrix()
 SETUPS = {case.label: setup_case(case) for case in MATRIX}
@@ -197,6 +199,7 @@ def test_rule_without_stage_mapping_is_bad_input(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.compile
 def test_pipelined_logits_equal_the_plain_stack():
     """Run on 4 CPU devices: the schedule (state_io, circular storage, ppermute shifts) must not change
     the numbers the model computes."""

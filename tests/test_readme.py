@@ -7,7 +7,7 @@ import re
 import shlex
 
 from helpers import REPO
-from sharding_dump import cli
+from sharding_dump.commands import cli
 
 SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", SECTION, re.S)
@@ -47,3 +47,29 @@ def test_readme_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, p
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*params/block_0/up/kernel*"])
+
+
+PROGRAMS = REPO.joinpath("README.md").read_text().split("## Your own training program", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_programs_dump(tmp_path, monkeypatch):
+    """Both programs of "Your own training program" dump with the commands shown, with the layouts
+    the text states."""
+    code = re.findall(r"```python\n(.*?)```", PROGRAMS, re.S)[0]
+    (tmp_path / "myprogram.py").write_text(code)
+    (tmp_path / "rules.yml").write_text(block("yaml"))
+    monkeypatch.chdir(tmp_path)
+    commands = re.findall(r"```bash\n(.*?)```", PROGRAMS, re.S)[0].strip().splitlines()
+    docs = {}
+    for line in commands:
+        words = shlex.split(line)
+        assert words[0] == "sharding-dump" and cli.main(words[1:]) == 0
+        model = words[words.index("--model") + 1]
+        folder = next((tmp_path / "golden" / model.replace(":", "-")).rglob("named_shardings.json")).parent
+        docs[model] = {p.name: json.loads(p.read_text())["tensors"] for p in folder.glob("*.json")}
+    for model, doc in docs.items():
+        assert doc["named_shardings.json"]["params/up/kernel"]["partition_spec"] == ["fsdp", "tensor"], model
+        acts = doc["activation_shardings.json"]
+        assert acts["forward/batch.length.mlp"]["partition_spec"] == [["data", "fsdp"], None, "tensor"], model
+        assert acts["forward/inputs_segmentation"]["logical_axes"] == ["batch", "length"], model
+    assert "opt_state/1/0/mu/up/kernel" in docs["myprogram:train_program"]["named_shardings.json"]

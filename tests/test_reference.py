@@ -13,8 +13,9 @@ import sys
 import pytest
 
 from helpers import REPO
-from sharding_dump import reference, serialize
 from sharding_dump.errors import BadInput
+from sharding_dump.golden import codec
+from sharding_dump.zoo import reference
 
 CASE = "llama2-7b/tpu7x-2048/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_tensor_parallelism=8"
 BLE = "('activation_batch', 'activation_norm_length', 'activation_embed')"
@@ -33,7 +34,7 @@ REFERENCE = {"Activation Sharding Dump": [
 
 @pytest.fixture
 def ours():
-    return serialize.read_document(REPO / "golden" / CASE / "activation_shardings.json")
+    return codec.read_document(REPO / "golden" / CASE / "activation_shardings.json")
 
 
 def test_hand_written_reference_matches_the_dense_golden(ours):

@@ -6,10 +6,10 @@ import shutil
 import pytest
 
 from helpers import REPO, run_cli
-from sharding_dump import diff
-from sharding_dump.case import Case, golden_dir, load_matrix
-from sharding_dump.cli import main
-from sharding_dump.golden import check_or_update
+from sharding_dump.commands.cli import main
+from sharding_dump.golden import diff
+from sharding_dump.zoo.case import Case, golden_dir, load_matrix
+from sharding_dump.zoo.goldens import check_or_update
 
 PURE_FSDP = REPO / "sharding_dump/rules/pure-fsdp.yml"
 

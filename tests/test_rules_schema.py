@@ -5,10 +5,10 @@ import json
 import pytest
 
 from helpers import REPO
-from sharding_dump import rules
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import SCHEMAS_DIR, schema_validator
-from sharding_dump.settings import format_value, parse_overrides
+from sharding_dump.zoo import rules
+from sharding_dump.zoo.settings import format_value, parse_overrides
 
 REPO_GOLDEN = REPO / "golden"
 
@@ -100,7 +100,7 @@ def test_settings_canonical():
 
 
 def test_golden_schema_rejects_bad_document():
-    from sharding_dump.serialize import check_document
+    from sharding_dump.golden.codec import check_document
     with pytest.raises(BadInput, match="field tensors/params/x: 'per_device_shape' is a required property"):
         check_document({"format_version": 1, "kind": "named",
                         "case": {"model": "m", "topology": "t", "num_slices": 1, "rule": "r", "overrides": {}},
@@ -113,7 +113,7 @@ def test_golden_schema_rejects_bad_document():
 def test_named_format_2_requires_per_device_bytes_and_format_1_still_reads():
     import copy
 
-    from sharding_dump.serialize import check_document, read_document
+    from sharding_dump.golden.codec import check_document, read_document
     doc = read_document(REPO_GOLDEN / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp/named_shardings.json")
     assert doc["format_version"] == 2 and doc["per_device_bytes"]["params"] == 3370139648
     assert doc["tensors"]["params/decoder/layers/mlp/wi_0/kernel"]["per_device_bytes"] == 512 * 32 * 11008 * 4

@@ -6,11 +6,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_bad_input, committed_golden
-from sharding_dump import state
-from sharding_dump.case import Case, load_matrix
-from sharding_dump.dump import render_case, setup_case
 from sharding_dump.errors import BadInput
-from sharding_dump.serialize import check_document
+from sharding_dump.golden.codec import check_document
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.dump import render_case, setup_case
 
 MATRIX = load_matrix()
 SETUPS = {case.label: setup_case(case) for case in MATRIX}

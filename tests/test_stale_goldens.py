@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-from sharding_dump import stale
-from sharding_dump.case import Case, golden_dir
+from sharding_dump.golden import stale
+from sharding_dump.zoo.case import Case, golden_dir
 
 CASE_ARGS = [("llama2-7b", "v5p-16", "pure-fsdp", 1), ("llama2-7b", "v5p-16", "default", 1),
              ("qwen3-0.6b", "a3", "default", 2)]
@@ -19,7 +19,7 @@ def make_project(root):
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "test_tree.py").write_text(textwrap.dedent(f"""\
         import pytest
-        from sharding_dump.case import Case
+        from sharding_dump.zoo.case import Case
 
         CASES = [Case.make(*args) for args in {CASE_ARGS!r}]
 
@@ -73,22 +73,22 @@ def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(tmp_
     assert not any((tmp_path / p.rstrip("/")).exists() for p in stale_paths)
     for case in CASES:
         assert (golden_dir(case, tmp_path / "golden") / "named_shardings.json").is_file()
-    assert stale.stale_paths(tmp_path / "golden", CASES) == []  # the next run passes
+    assert stale.stale_paths(tmp_path / "golden", [golden_dir(c, tmp_path / "golden") for c in CASES]) == []  # the next run passes
 
 
 def test_stale_paths_are_the_largest_unclaimed_ones(tmp_path):
     cases = CASES
-    assert stale.stale_paths(tmp_path / "missing", cases) == []
+    assert stale.stale_paths(tmp_path / "missing", [golden_dir(c, tmp_path / "missing") for c in cases]) == []
     for case in cases:
         golden_dir(case, tmp_path).mkdir(parents=True)
         (golden_dir(case, tmp_path) / "named_shardings.json").write_text("")
         (golden_dir(case, tmp_path) / "stray.tmp").write_text("")  # inside a case folder: no case writes it
     (tmp_path / "qwen3-0.6b/a3/slice_1").mkdir()
     (tmp_path / "README.md").write_text("")
-    found = [p.relative_to(tmp_path).as_posix() for p in stale.stale_paths(tmp_path, cases)]
+    found = [p.relative_to(tmp_path).as_posix() for p in stale.stale_paths(tmp_path, [golden_dir(c, tmp_path) for c in cases])]
     assert found == ["README.md", "llama2-7b/v5p-16/slice_1/rule_default/stray.tmp",
                      "llama2-7b/v5p-16/slice_1/rule_pure-fsdp/stray.tmp", "qwen3-0.6b/a3/slice_1",
                      "qwen3-0.6b/a3/slice_2/rule_default/stray.tmp"]
-    stale.remove(stale.stale_paths(tmp_path, cases))
-    assert stale.stale_paths(tmp_path, cases) == []
+    stale.remove(stale.stale_paths(tmp_path, [golden_dir(c, tmp_path) for c in cases]))
+    assert stale.stale_paths(tmp_path, [golden_dir(c, tmp_path) for c in cases]) == []
     assert all((golden_dir(c, tmp_path) / "named_shardings.json").is_file() for c in cases)

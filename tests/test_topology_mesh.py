@@ -3,10 +3,10 @@
 import pytest
 
 from sharding_dump.errors import BadInput
-from sharding_dump.mesh import plan_mesh
-from sharding_dump.rules import load_rule
-from sharding_dump.settings import parse_overrides, resolve
-from sharding_dump.topology import load_topology, topology_names
+from sharding_dump.zoo.mesh import plan_mesh
+from sharding_dump.zoo.rules import load_rule
+from sharding_dump.zoo.settings import parse_overrides, resolve
+from sharding_dump.zoo.topology import load_topology, topology_names
 
 
 def plan(rule, topo, num_slices=1, **overrides):

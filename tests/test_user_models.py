@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
-from sharding_dump import cli
+from sharding_dump.commands import cli
 from sharding_dump.core import capture
 
 EXAMPLE_ARGS = ["--topology", "cpu-8", "--rule", "examples/rules.yml", "ici_fsdp_parallelism=4",
@@ -28,7 +29,7 @@ CASE = "cpu-8/slice_1/rule_rules_ici_fsdp_parallelism=4_ici_tensor_parallelism=2
 def dump_example(tmp_path, monkeypatch, factory: str) -> dict[str, dict]:
     monkeypatch.chdir(REPO)
     assert cli.main(["--model", factory, *EXAMPLE_ARGS, "--output-dir", str(tmp_path)]) == 0
-    folder = tmp_path / factory.replace(":", "-") / CASE
+    folder = tmp_path / (factory.split("=")[0] if "=" in factory else factory.replace(":", "-")) / CASE
     return {p.name: json.loads(p.read_text()) for p in folder.iterdir()}
 
 
@@ -97,7 +98,7 @@ class Mixed(nn.Module):
         return sd.constrain(y, ("batch", "mlp"), "hidden")
 
 
-MESH = AbstractMesh((2, 2), ("data", "model"))
+MESH = AbstractMesh((2, 2), ("data", "model"), (AxisType.Auto,) * 2)  # jax 0.12 defaults to Explicit
 RULES = [("batch", "data"), ("mlp", "model"), ("embed", None)]
 
 
@@ -112,11 +113,12 @@ def test_capture_of_flax_jax_and_named_constraints():
     found = {c.key: c for c in sd.record_activations(jax.grad(loss), params, jax.ShapeDtypeStruct((8, 4), jnp.float32),
                                                      mesh=MESH, rules=RULES)}
     # Gradients flow to the parameter only, so the input's constraint has no backward twin.
-    assert set(found) == {"forward/batch.embed", "forward/sharding_constraint", "forward/hidden",
-                          "backward/sharding_constraint", "backward/hidden"}
+    plain = "sharding_constraint-Mixed.__call__-L4"  # the function that placed it and its line from the decorator
+    assert set(found) == {"forward/batch.embed", f"forward/{plain}", "forward/hidden",
+                          f"backward/{plain}", "backward/hidden"}
     assert found["forward/batch.embed"].logical_axes == ("batch", "embed")
     assert tuple(found["forward/batch.embed"].partition_spec) == ("data", None)
-    assert found["forward/sharding_constraint"].logical_axes == (None, None)
+    assert found[f"forward/{plain}"].logical_axes == (None, None)
     assert tuple(found["forward/hidden"].partition_spec) == ("data", "model")
     assert all(c.shape != (4, 8) for c in found.values()), "a parameter read was taken for an activation"
 
@@ -140,13 +142,34 @@ def test_derived_names_that_collide_are_numbered():
     assert keys == ["forward/batch.embed", "forward/batch.embed-2"]
 
 
+def test_a_named_factory_is_filed_under_its_name(tmp_path, monkeypatch):
+    """`models = {small = "examples.linen_lm:small_lm"}` (or `--model small=examples.linen_lm:small_lm`):
+    the golden folder and the case's name are `small`, so moving the factory renames no golden."""
+    from sharding_dump.zoo.case import golden_dir
+    from sharding_dump.zoo.project import load_project
+
+    (tmp_path / "pyproject.toml").write_text('[tool.sharding-dump]\ncases = "cases.yml"\n'
+                                             'models = {small = "examples.linen_lm:small_lm"}\n')
+    (tmp_path / "cases.yml").write_text(f"cases:\n  - {{model: small, topology: cpu-8, rule: {REPO}/examples/rules.yml}}\n")
+    (case,) = load_project(tmp_path).load_cases()
+    assert golden_dir(case, tmp_path / "golden") == tmp_path / "golden/small/cpu-8/slice_1/rule_rules"
+    assert case.label == "small/cpu-8/slice_1/rule_rules" and case.header()["model"] == "small"
+    assert case.command().startswith("sharding-dump --model small=examples.linen_lm:small_lm --topology cpu-8")
+
+    # the same dump as the factory's own, under its name
+    named = dump_example(tmp_path, monkeypatch, "small=examples.linen_lm:small_lm")
+    plain = dump_example(tmp_path / "plain", monkeypatch, "examples.linen_lm:small_lm")
+    assert sorted(named) == sorted(plain) and all(named[name]["case"]["model"] == "small" for name in named)
+    assert named == {name: doc | {"case": doc["case"] | {"model": "small"}} for name, doc in plain.items()}
+
+
 def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
     """The one-call API and the CLI give the same named layout for the same model, mesh and rules."""
     from examples.linen_lm import small_lm
-    from sharding_dump.rules import load_rule
+    from sharding_dump.zoo.rules import load_rule
 
     docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
-    api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor")),
+    api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3),
                         load_rule("examples/rules.yml"), batch_shape=(96, 2048), input_axes=("batch", "length"))
     assert api["named_shardings.json"]["tensors"] == docs["named_shardings.json"]["tensors"]
     assert api["activation_shardings.json"]["tensors"] == docs["activation_shardings.json"]["tensors"]
@@ -158,13 +181,15 @@ def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
     ("examples.linen_lm:small_lm:x", "a factory is written package.module:function"),
     ("examples/linen_lm.py:small_lm", "unknown model"),
     ("examples.linen_lm:" + "x" * 300, "at most 200 characters"),
+    ("my*lm=examples.linen_lm:small_lm", "or NAME=package.module:function"),
+    ("llama2-7b=examples.linen_lm:small_lm", "'llama2-7b' is the name of a model card; name the factory differently"),
 ])
 def test_bad_factory_references(tmp_path, capsys, monkeypatch, model, message):
     monkeypatch.chdir(REPO)
     assert_bad_input(tmp_path, capsys, f"--model {model} --topology cpu-8 --rule examples/rules.yml", message)
 
 
-@pytest.mark.parametrize("setting", ["weight_dtype=bfloat16", "shard_mode=explicit", "num_pipeline_microbatches=4"])
+@pytest.mark.parametrize("setting", ["weight_dtype=bfloat16", "num_pipeline_microbatches=4"])
 def test_card_only_settings_are_refused_for_factories(tmp_path, capsys, monkeypatch, setting):
     monkeypatch.chdir(REPO)
     assert_bad_input(tmp_path, capsys, f"--model examples.linen_lm:small_lm --topology cpu-8 "
@@ -180,7 +205,7 @@ def test_import_is_light_and_changes_nothing():
 
 
 def test_diff_runs_without_jax():
-    code = ("import sys; from sharding_dump.cli import main; status = main(['diff', 'golden', 'golden']); "
+    code = ("import sys; from sharding_dump.commands.cli import main; status = main(['diff', 'golden', 'golden']); "
             "assert status == 0, status; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr

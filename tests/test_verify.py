@@ -13,8 +13,11 @@ import json
 import pytest
 
 from helpers import REPO, run_cli
-from sharding_dump import verify
-from sharding_dump.cli import main
+from sharding_dump.commands.verify import figures, hlo, xla_log
+from sharding_dump.commands.verify.render import render_case
+from sharding_dump.commands.verify.result import CaseResult
+from sharding_dump.commands.verify.settings import Options
+from sharding_dump.commands.cli import main
 
 DATA = REPO / "tests/data/verify"
 TINY = str(DATA / "tiny-qwen3.yml")
@@ -34,6 +37,7 @@ def dump_golden(tmp_path, args: list[str]):
     return named
 
 
+@pytest.mark.compile
 def test_provoked_rule_reports_the_remat_the_gathered_stacks_and_a_golden_that_drifted(tmp_path):
     args = case_args("remat", *REMAT_MESH, topology="cpu-8")
     named = dump_golden(tmp_path, args)
@@ -57,6 +61,7 @@ def test_provoked_rule_reports_the_remat_the_gathered_stacks_and_a_golden_that_d
     assert any("involuntary full rematerialization" in f for f in case["failures"])
 
 
+@pytest.mark.compile
 def test_clean_case_exits_0_and_records_its_figures(tmp_path):
     dump_golden(tmp_path, case_args("clean"))
     result = run_cli("verify", *case_args("clean"), "--golden-dir", str(tmp_path / "golden"), "--record",
@@ -76,6 +81,7 @@ def test_clean_case_exits_0_and_records_its_figures(tmp_path):
     assert figures["collectives_per_step"]["all-gather"]["count"] >= 8
 
 
+@pytest.mark.compile
 def test_sharding_verify_fails_the_case_test_with_the_report(pytester):
     """pytest --sharding-verify: a case whose golden is right but whose compiled step rematerializes
     fails its test with verify's report; without the option the same case passes."""
@@ -95,21 +101,21 @@ def test_sharding_verify_fails_the_case_test_with_the_report(pytester):
 
 def test_recorded_figures_that_differ_fail_the_case(tmp_path):
     """Comparison with recorded figures, on figures as the child reports them (no compile needed)."""
-    from sharding_dump.case import Case
+    from sharding_dump.zoo.case import Case
 
     case = Case.make(TINY, "cpu-4", str(DATA / "clean.yml"))
-    result = verify.CaseResult(case.label, "cpu", 4, None, memory={"argument": 8, "output": 4, "alias": 4, "temp": 16},
-                               collectives={"all-gather": verify.Traffic(28, 1024)}, jax_version="0.10.2")
-    options = verify.Options(2**30, tmp_path, record=True)
-    verify._compare_figures(case, options, result)
+    result = CaseResult(case.label, "cpu", 4, None, memory={"argument": 8, "output": 4, "alias": 4, "temp": 16},
+                               collectives={"all-gather": hlo.Traffic(28, 1024)}, jax_version="0.10.2")
+    options = Options(2**30, tmp_path, record=True)
+    figures.compare_figures(case, options, result)
     assert result.figures_written and not result.failures
     result.figures_written = False
     result.memory["temp"] = 32
-    verify._compare_figures(case, verify.Options(2**30, tmp_path), result)
+    figures.compare_figures(case, Options(2**30, tmp_path), result)
     assert result.figures_changed == [("memory_per_device.temp", 16, 32)]
     assert result.failures == [f"compiled figures differ from {result.figures_file} (rerun with --record if intended)"]
-    other = verify.CaseResult(case.label, "tpu", 4, None, memory=result.memory, jax_version="0.10.2")
-    verify._compare_figures(case, verify.Options(2**30, tmp_path), other)
+    other = CaseResult(case.label, "tpu", 4, None, memory=result.memory, jax_version="0.10.2")
+    figures.compare_figures(case, Options(2**30, tmp_path), other)
     assert not other.figures_changed  # another backend's figures are never compared
 
 
@@ -129,19 +135,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
 def test_recorded_figures_survive_a_golden_update_and_are_not_stale(tmp_path):
     """verify --record's file lives in the case folder: a rewrite of the goldens keeps it, and the
     stale check does not call it stray."""
-    from sharding_dump import golden, serialize, stale
-    from sharding_dump.case import Case, golden_dir
+    from sharding_dump.golden import codec, stale
+    from sharding_dump.zoo import goldens
+    from sharding_dump.zoo.case import Case, golden_dir
 
     case = Case.make(TINY, "cpu-4", str(DATA / "clean.yml"))
     folder = golden_dir(case, tmp_path)
     folder.mkdir(parents=True)
     recorded = folder / "compiled_cpu_jax-0.10.2.json"
-    recorded.write_bytes(serialize.canonical_bytes({"memory_per_device": {"temp": 1}}))
-    outcome = golden.check_or_update(case, tmp_path, update=True)
+    recorded.write_bytes(codec.canonical_bytes({"memory_per_device": {"temp": 1}}))
+    outcome = goldens.check_or_update(case, tmp_path, update=True)
     assert outcome.status == "written" and recorded.read_bytes().startswith(b"{")
-    assert stale.stale_paths(tmp_path, [case]) == []
+    assert stale.stale_paths(tmp_path, [folder]) == []
     (folder / "notes.txt").write_text("by hand")
-    assert [p.name for p in stale.stale_paths(tmp_path, [case])] == ["notes.txt"]
+    assert [p.name for p in stale.stale_paths(tmp_path, [folder])] == ["notes.txt"]
 
 
 def test_remats_of_the_partitioners_trials_are_listed_but_do_not_fail(tmp_path):
@@ -155,12 +162,12 @@ def test_remats_of_the_partitioners_trials_are_listed_but_do_not_fail(tmp_path):
                            "sharding={devices=[1,1,8]<=[8]}. As the last resort")
     real = head + ('%gather = f32[4,4096,128]{2,1,0} gather(%param, %all-gather), offset_dims={2}, '
                    'metadata={op_name="jit(step)/token_embedder/gather" stack_frame_id=23}. As the last resort')
-    remats = verify.rematerializations("\n".join([trial, trial_gather, real]))
+    remats = xla_log.rematerializations("\n".join([trial, trial_gather, real]))
     assert [(r.trial, r.shape) for r in remats] == [(True, "f32[12,2048,4096]"), (True, "f32[4,4096,128]"),
                                                     (False, "f32[4,4096,128]")]
-    result = verify.CaseResult("c", "cpu", 16, None, remats=remats[:2], threshold=1)
+    result = CaseResult("c", "cpu", 16, None, remats=remats[:2], threshold=1)
     assert result.failures == [] and result.figures()["involuntary_rematerializations"] == 0
-    assert "[remat, in a partitioner trial, not a failure]" in verify.render_case(result)
+    assert "[remat, in a partitioner trial, not a failure]" in render_case(result)
     result.remats = remats
     assert result.failures == ["1 involuntary full rematerialization"]
 
@@ -202,8 +209,8 @@ ENTRY %main (x: f32[8,128]) -> f32[8,128] {
 def test_collectives_multiply_loop_bodies_by_the_trip_count_written_or_read_from_the_condition():
     """XLA:CPU writes a loop's known_trip_count; XLA:TPU does not, so the bound of `counter < N` in
     the loop's condition is used. An async all-gather counts its result (4 x 8 x 128 floats)."""
-    traffic = verify.collectives(TPU_STYLE_LOOP)
+    traffic = hlo.collectives(TPU_STYLE_LOOP)
     assert (traffic["all-gather"].count, traffic["all-gather"].bytes) == (6, 6 * 32 * 128 * 4)
     assert (traffic["all-reduce"].count, traffic["all-reduce"].bytes) == (1, 8 * 128 * 4)
     written = TPU_STYLE_LOOP.replace("body=%body\n", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}\n')
-    assert verify.collectives(written)["all-gather"].count == 3
+    assert hlo.collectives(written)["all-gather"].count == 3

@@ -7,7 +7,7 @@
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
     python tools/bench.py --suite    # the README's test command (pytest -n 2): wall time, slowest tests
 
-Cold = `python -m sharding_dump.cli <case> --output-dir TMP` in a new process (imports included), and
+Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case;
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
 this process's max RSS growth. Figures are printed, never asserted.
@@ -31,9 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sharding_dump.case import load_matrix  # noqa: E402
-from sharding_dump.dump import render_case  # noqa: E402
-
+from sharding_dump.zoo.case import load_matrix  # noqa: E402
+from sharding_dump.zoo.dump import render_case  # noqa: E402
 
 # The child reports its own peak RSS (VmHWM of its memory map): ru_maxrss from wait4 would not do,
 # since Linux carries a parent's peak RSS across fork+exec into the child's figure.
@@ -45,7 +44,7 @@ def _peak():
     sys.stderr.write(f"\\nbench-peak-kib {kib}\\n")
 atexit.register(_peak)
 sys.argv = ["sharding-dump", *sys.argv[1:]]
-runpy.run_module("sharding_dump.cli", run_name="__main__")
+runpy.run_module("sharding_dump.commands.cli", run_name="__main__")
 """
 
 
@@ -74,7 +73,7 @@ def bench_verify(cases) -> None:
     print(f"{'case (sharding-dump verify)':<92} {'wall s':>7} {'CPU s':>7} {'peak MiB':>9} {'result':>7}")
     for case in cases:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "sharding_dump.cli", "verify", *case_args(case)],
+        proc = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "verify", *case_args(case)],
                               cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - start
         match = figures.search(proc.stdout.splitlines()[0]) if proc.stdout else None

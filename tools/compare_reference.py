@@ -8,7 +8,7 @@ The second form pairs every `input_shardings.json` under the reference root with
 `activation_shardings.json` in the folder of the same relative path (both trees name folders
 `<model>/<topology>/slice_<n>/rule_<rule>[_<overrides>]`). Every reference entry with known logical
 axes must appear in ours with the same shape, dtype, logical axes and, size-1 mesh axes dropped,
-partition spec (see sharding_dump/reference.py). Exit status 0: all match; 1: mismatches; 2: bad input.
+partition spec (see sharding_dump/zoo/reference.py). Exit status 0: all match; 1: mismatches; 2: bad input.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sharding_dump import reference, serialize  # noqa: E402
-from sharding_dump.dump import ACTIVATIONS_FILE  # noqa: E402
+from sharding_dump.core.format import ACTIVATIONS_FILE  # noqa: E402
 from sharding_dump.errors import BadInput  # noqa: E402
+from sharding_dump.golden import codec
+from sharding_dump.zoo import reference
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         elif len(args.files) == 2:
             ref_path, ours_path = map(Path, args.files)
             results = {ref_path.parent.name: reference.compare(reference.load_reference(ref_path),
-                                                               serialize.read_document(ours_path))}
+                                                               codec.read_document(ours_path))}
         else:
             raise BadInput("give a reference input_shardings.json and our activation_shardings.json, or --reference-root")
     except BadInput as err:

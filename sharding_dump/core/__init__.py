@@ -7,7 +7,9 @@ pytest plugin and the built-in model zoo are clients of it. Modules:
 * :mod:`specs`: the one partition-spec normaliser (no jax import);
 * :mod:`state`: the abstract training state of any model and optax optimizer;
 * :mod:`layout`: the layout of every leaf on a mesh under a rule set;
-* :mod:`capture`: activation constraints met while tracing any function;
+* :mod:`capture`: activation constraints (and shardings carried in types) met while tracing any function;
 * :mod:`step`: a next-token training step for any causal LM;
+* :mod:`program`: the training program a user gives: a model and how to call it, or their own
+  init and step;
 * :mod:`documents`: the golden JSON documents of those layouts.
 """

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from sharding_dump import serialize
 from sharding_dump.core import specs
 from sharding_dump.core.capture import Constraint
+from sharding_dump.core.format import (
+    ACTIVATIONS_FILE,
+    LOGICAL_FILE,
+    NAMED_FILE,
+    document,
+)
 from sharding_dump.core.layout import TensorLayout, mesh_sizes, per_device_totals
-
-NAMED_FILE = "named_shardings.json"
-LOGICAL_FILE = "logical_shardings.json"
-ACTIVATIONS_FILE = "activation_shardings.json"
-GOLDEN_FILE_NAMES = (NAMED_FILE, LOGICAL_FILE, ACTIVATIONS_FILE)
 
 
 def mesh_header(mesh: Any, shard_mode: str = "auto") -> dict[str, Any]:
@@ -67,11 +67,11 @@ def golden_documents(layouts: Sequence[TensorLayout], mesh: Any,
     `activations` is given). `header` goes at the top of each (default: the mesh)."""
     head = dict(header) if header is not None else mesh_header(mesh)
     docs = {
-        NAMED_FILE: serialize.document("named", {**head, "per_device_bytes": per_device_totals(layouts)},
+        NAMED_FILE: document("named", {**head, "per_device_bytes": per_device_totals(layouts)},
                                        named_entries(layouts)),
-        LOGICAL_FILE: serialize.document("logical", head, logical_entries(layouts)),
+        LOGICAL_FILE: document("logical", head, logical_entries(layouts)),
     }
     if activations is not None:
-        docs[ACTIVATIONS_FILE] = serialize.document("activations", {**head, **(activation_header or {})},
+        docs[ACTIVATIONS_FILE] = document("activations", {**head, **(activation_header or {})},
                                                     activation_entries(activations, mesh))
     return docs

@@ -89,7 +89,8 @@ def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules_of(rules))
 
 
-def _is_box(x: Any) -> bool:
+def is_box(x: Any) -> bool:
+    """A leaf boxed with its logical axes (flax `Partitioned`), as the abstract state holds parameters."""
     return isinstance(x, nn.Partitioned)
 
 
@@ -110,8 +111,8 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
     """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
     no logical axes: all None)."""
     out = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_box):
-        if _is_box(leaf):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
+        if is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
             array, logical = leaf, (None,) * len(leaf.shape)
@@ -121,7 +122,7 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
 
 def unbox(state: Any) -> Any:
     """The state with every `Partitioned` box replaced by its value (no constraint applied)."""
-    return jax.tree.map(lambda x: x.value if _is_box(x) else x, state, is_leaf=_is_box)
+    return jax.tree.map(lambda x: x.value if is_box(x) else x, state, is_leaf=is_box)
 
 
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
@@ -139,6 +140,18 @@ def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh:
 def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform | None = None) -> list[TensorLayout]:
     """The layout of every leaf of `state` (a pytree of abstract arrays, boxed with logical axes)."""
     return [leaf_layout(path, array, logical, mesh, rules, transform) for path, array, logical in leaves(state)]
+
+
+def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:
+    """The layout of every leaf of a state traced on an Explicit-axis mesh, read from the sharding
+    each leaf carries in its type (a leaf without one, e.g. a scalar JAX leaves unannotated, is
+    replicated); logical axes from the boxes as :func:`leaves` reads them."""
+    out = []
+    for path, array, logical in leaves(state):
+        sharding = getattr(array, "sharding", None)
+        spec = sharding.spec if sharding is not None else PartitionSpec()
+        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical, spec, dict(sizes)))
+    return out
 
 
 def per_device_totals(layouts: Sequence[TensorLayout]) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """One call from a user's model to its golden documents.
 
 >>> import flax.linen as nn, jax.numpy as jnp
->>> from jax.sharding import AbstractMesh
+>>> from jax.sharding import AbstractMesh, AxisType
 >>> class TinyLM(nn.Module):
 ...     @nn.compact
 ...     def __call__(self, tokens):
@@ -9,7 +9,7 @@
 ...                          (64, 16))
 ...         x = nn.with_logical_constraint(jnp.take(emb, tokens, axis=0), ("batch", "length", "embed"))
 ...         return x @ emb.T
->>> docs = dump_model(TinyLM(), AbstractMesh((2, 2), ("data", "model")),
+>>> docs = dump_model(TinyLM(), AbstractMesh((2, 2), ("data", "model"), (AxisType.Auto,) * 2),
 ...                   [("batch", "data"), ("vocab", "model")], batch_shape=(8, 32))
 >>> docs["named_shardings.json"]["tensors"]["params/embedding"]["partition_spec"]
 ['model', None]

@@ -33,7 +33,7 @@ from sharding_dump.core.capture import note_nnx_modules
 from sharding_dump.core.layout import leaves, unbox
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
-ApplyFn = Callable[[Any, jax.Array, jax.Array], jax.Array]  # (raw params, tokens, positions) -> logits
+ApplyFn = Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]  # (raw params, batch, rng keys) -> output
 
 
 def default_optimizer() -> optax.GradientTransformation:
@@ -67,21 +67,49 @@ def parameter_count(state: Any) -> int:
     return sum(math.prod(a.shape) for a in under)
 
 
-def _takes_positions(fn: Callable[..., Any]) -> bool:
+CallFn = Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]  # (module, batch, rng keys) -> output
+
+
+def takes(fn: Callable[..., Any], name: str) -> bool:
+    """True when `fn`'s signature has a parameter `name` (or takes **kwargs)."""
     try:
-        return "positions" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def tokens_call(module: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
+    """The plain call: `module(tokens)`, plus `positions=` when its `__call__` takes it."""
+    call = module.__call__ if isinstance(module, nn.Module) else type(module).__call__
+    if "positions" in _parameters(call):
+        return module(batch["inputs"], positions=batch["inputs_position"])
+    return module(batch["inputs"])
+
+
+def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def init_batch(fields: dict[str, jax.ShapeDtypeStruct] | None = None) -> dict[str, jax.Array]:
+    """A small concrete-shaped batch to initialise parameters with (their shapes do not depend on it)."""
+    if fields is None:
+        return {f: jnp.zeros(INIT_TOKENS, jnp.int32) for f in ("inputs", "inputs_position", "targets")}
+    return {name: jnp.zeros(f.shape, f.dtype) for name, f in fields.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A causal LM as the harness drives it: abstract boxed parameters and a pure apply function
-    `(raw params, tokens, positions) -> logits`."""
+    `(raw params, batch, rng keys) -> output`; `batch` holds `inputs`, `inputs_position`, `targets`
+    (and any field the call takes), `rng keys` one key per stream (empty: none)."""
 
     kind: str  # linen | nnx
     build_params: Callable[[], Any]
-    apply: ApplyFn
+    apply: Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]
 
     def abstract_params(self, mesh: Any = None, rules: Any = None) -> Any:
         """The boxed abstract parameters. With a mesh (and rules), initialisation runs under them, as
@@ -94,23 +122,61 @@ class Model:
         with jax.sharding.use_abstract_mesh(abstract), nn.logical_axis_rules(rules_of(rules or ())):
             return self.build_params()
 
+    def placement(self, names: tuple[Any, ...], rules: Any) -> jax.sharding.PartitionSpec:
+        """Where training puts a parameter with these axis names on an Explicit-axis mesh, as flax
+        does it: a linen box by flax's logical resolver, an NNX variable by NNX's own rule application
+        (a name with no rule is taken as a mesh axis)."""
+        from sharding_dump.core.layout import resolve, rules_of
 
-def _linen_model(module: nn.Module) -> Model:
-    positions_kw = _takes_positions(module.__call__)
+        if self.kind == "linen":
+            return resolve(names, rules)
+        from flax.core import spmd as core_spmd
 
-    def call_kwargs(positions: jax.Array) -> dict[str, Any]:
-        return {"positions": positions} if positions_kw else {}
+        with nn.logical_axis_rules(rules_of(rules)):
+            return core_spmd.apply_rules(jax.sharding.PartitionSpec(*names), None)
 
+
+def explicit_train_state(model: Model, mesh: Any, rules: Any,
+                         optimizer: optax.GradientTransformation | None = None) -> dict[str, Any]:
+    """{'step', 'params', 'opt_state'} traced on an Explicit-axis `mesh`: every parameter placed as
+    :meth:`Model.placement` says (`jax.sharding.reshard`), the optimizer state derived from them by
+    sharding-in-types; each leaf carries its sharding."""
+    tx = optimizer or default_optimizer()
+    params = model.build_params()
+
+    def place(box: Any) -> Any:
+        if not isinstance(box, nn.Partitioned):
+            return box
+        sharding = jax.sharding.NamedSharding(mesh, model.placement(tuple(box.names), rules))
+        return box.replace_boxed(jax.sharding.reshard(box.value, sharding))
+
+    def init(p: Any) -> dict[str, Any]:
+        placed = jax.tree.map(place, p, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+        return {"step": jnp.zeros((), jnp.int32), "params": placed, "opt_state": tx.init(placed)}
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.eval_shape(init, params)
+
+
+def _linen_model(module: nn.Module, call: CallFn, fields: dict[str, jax.ShapeDtypeStruct] | None,
+                 streams: tuple[str, ...]) -> Model:
     def abstract_params() -> Any:
         def init(key: jax.Array) -> Any:
-            tokens = jnp.zeros(INIT_TOKENS, jnp.int32)
-            return module.init(key, tokens, **call_kwargs(tokens))["params"]
+            keys = {"params": key, **{s: jax.random.fold_in(key, i + 1) for i, s in enumerate(streams)}}
+            return module.init(keys, init_batch(fields), keys, method=_call_method(call))["params"]
         return jax.eval_shape(init, jax.random.key(0))
 
-    def apply(params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        return module.apply({"params": params}, tokens, **call_kwargs(positions))
+    def apply(params: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
+        return module.apply({"params": params}, batch, rngs, rngs=rngs or None, method=_call_method(call))
 
     return Model("linen", abstract_params, apply)
+
+
+def _call_method(call: CallFn) -> Callable[..., Any]:
+    """`call` as a linen method: flax binds the module and passes it first."""
+    def method(module: nn.Module, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
+        return call(module, batch, {k: v for k, v in rngs.items() if k != "params"})
+    return method
 
 
 def _concrete_placeholder(leaf: Any) -> Any:
@@ -122,7 +188,7 @@ def _concrete_placeholder(leaf: Any) -> Any:
     return jnp.zeros(leaf.shape, leaf.dtype)
 
 
-def _nnx_model(abstract_module: Any) -> Model:
+def _nnx_model(abstract_module: Any, call: CallFn) -> Model:
     from flax import nnx
 
     graphdef, params_state, rest = nnx.split(abstract_module, nnx.Param, ...)
@@ -139,9 +205,7 @@ def _nnx_model(abstract_module: Any) -> Model:
             node[str(path[-1])] = nn.Partitioned(value, names=tuple(names)) if names else value
         return tree
 
-    positions_kw = _takes_positions(type(abstract_module).__call__)
-
-    def apply(params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    def apply(params: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
         values = []
         for path, var in flat:
             node = params
@@ -151,41 +215,53 @@ def _nnx_model(abstract_module: Any) -> Model:
         rest_values = jax.tree.map(_concrete_placeholder, rest)
         module = nnx.merge(graphdef, nnx.from_flat_state(values), rest_values)
         note_nnx_modules(module)
-        return module(tokens, positions=positions) if positions_kw else module(tokens)
+        return call(module, batch, rngs)
 
     return Model("nnx", abstract_params, apply)
 
 
-def as_model(model: Any) -> Model:
-    """A linen module, an NNX module, or a zero-argument factory of either, as a :class:`Model`.
+def as_model(model: Any, call: CallFn | None = None, fields: dict[str, jax.ShapeDtypeStruct] | None = None,
+             streams: tuple[str, ...] = (), *, built: Any = None) -> Model:
+    """A linen module, an NNX module, or a zero-argument factory of either, as a :class:`Model`
+    called by `call(module, batch, rng keys)` (default :func:`tokens_call`). `fields` shape the batch
+    a linen module is initialised with, `streams` the RNG streams its init gets.
 
     An NNX factory is called under `nnx.eval_shape` (with eager sharding off), so even a 400B model
-    allocates nothing; a linen module is inert until `init`."""
+    allocates nothing; a linen module is inert until `init`. `built` is what the factory returned
+    when the caller ran it already (see :func:`build_abstract`)."""
     from flax import nnx
 
-    if isinstance(model, nn.Module):
-        return _linen_model(model)
-    if isinstance(model, nnx.Module):
-        return _nnx_model(model)
-    if not callable(model):
-        raise TypeError(f"{model!r} is neither a Flax module nor a factory of one")
-    linen: list[nn.Module] = []
-
-    def build() -> Any:
-        built = model()
-        if isinstance(built, nn.Module):
-            linen.append(built)
-            return None
-        return built
-
-    with nnx.use_eager_sharding(False):
-        built = nnx.eval_shape(build)
-    if linen:
-        return _linen_model(linen[0])
+    call = call or tokens_call
+    if built is None:
+        built = model if isinstance(model, (nn.Module, nnx.Module)) else build_abstract(model)
+    if isinstance(built, nn.Module):
+        return _linen_model(built, call, fields, streams)
     if isinstance(built, nnx.Module):
-        return _nnx_model(built)
+        return _nnx_model(built, call)
     raise TypeError(f"{getattr(model, '__qualname__', model)!r} returned {type(built).__name__}, "
                     "not a Flax linen or NNX module")
 
 
-__all__ = ["Model", "abstract_train_state", "as_model", "default_optimizer", "parameter_count", "unbox"]
+def build_abstract(factory: Callable[[], Any]) -> Any:
+    """What a zero-argument factory returns, built under `nnx.eval_shape` with eager sharding off: an
+    NNX module comes back abstract (nothing allocated), anything else as the factory returned it."""
+    from flax import nnx
+
+    if not callable(factory):
+        raise TypeError(f"{factory!r} is neither a Flax module nor a factory of one")
+    other: list[Any] = []
+
+    def build() -> Any:
+        built = factory()
+        if isinstance(built, nnx.Module):
+            return built
+        other.append(built)
+        return None
+
+    with nnx.use_eager_sharding(False):
+        built = nnx.eval_shape(build)
+    return other[0] if other else built
+
+
+__all__ = ["Model", "abstract_train_state", "as_model", "build_abstract", "default_optimizer", "explicit_train_state",
+           "parameter_count", "tokens_call", "unbox"]

@@ -18,6 +18,7 @@ A model reference is a card name (shipped, or registered by an installed package
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.metadata
@@ -208,8 +209,10 @@ def resolve_model(ref: str) -> tuple[str, Path]:
     if not is_card_path(ref):
         cards = card_files()
         if ref not in cards:
-            raise BadInput(f"unknown model {ref!r}: valid models are {', '.join(sorted(cards))}, "
-                           f"or a path to a card file ending .yml/.yaml")
+            close = difflib.get_close_matches(ref, sorted(cards), n=3, cutoff=0.5)
+            hint = f" (closest: {', '.join(close)})" if close else ""
+            raise BadInput(f"unknown model {ref!r}: valid models are the {len(cards)} cards `sharding-dump list "
+                           f"models` prints{hint}, or a path to a card file ending .yml/.yaml")
         return ref, cards[ref]
     path = Path(ref)
     name = load_card(ref)["name"]

@@ -17,7 +17,7 @@ Parameter tree (what the goldens see)::
 
 With pipeline parallelism the layer stack is cut into stages (see models/pipeline.py).
 
-Activations are constrained through `sharding_dump.activations.constrain` at MaxText's points (layer
+Activations are constrained through `sharding_dump.core.capture.constrain` at MaxText's points (layer
 input, both norms, attention inputs/q/k/v/output and result, MLP hidden and output, layer output,
 logits), so the traced step carries the constraints a training run does.
 """

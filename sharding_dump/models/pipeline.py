@@ -34,7 +34,7 @@ Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
   `state_io` moves one stage back the same way, the last stage's output entering at the end.
 
 All stage buffers are constrained with `activation_stage` at axis 0. As in MaxText, a pipelined run
-puts `stage` first in the `activation_embed_and_logits_batch` rule (`pipeline_plan.pipeline_rules`, which
+puts `stage` first in the `activation_embed_and_logits_batch` rule (`zoo.pipeline_plan.pipeline_rules`, which
 also plans the schedule from the settings).
 """
 
@@ -64,7 +64,7 @@ Rules = tuple[tuple[str, Any], ...]  # logical axis rules, as flax holds them
 STAGE_BUFFER_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """A validated pipeline schedule (build it with :func:`plan_pipeline`)."""
+    """A validated pipeline schedule (the zoo builds it: `zoo.pipeline_plan.plan_pipeline`)."""
 
     num_stages: int
     num_microbatches: int

@@ -1,0 +1,295 @@
+"""`sharding-dump check`: lints of one case's layout, each naming the tensor and the rule line behind it.
+
+- divisibility: a dimension split over mesh axes whose product does not divide it (XLA pads the last
+  shard, or jit refuses the sharding);
+- unknown-name: a rule for a logical axis that no tensor of any model carries and that the trainer does
+  not define either (`data/lint.yml`), usually a typo;
+- replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
+  size > 1, i.e. held whole by every device;
+- memory: params + optimizer state per device above the topology's HBM per device.
+
+Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.zoo.rules.deciding_rule`),
+and where that rule was written from the rule set's origins (file:line of the rule file or model card).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Iterable
+
+import jax.numpy as jnp
+
+from sharding_dump import models
+from sharding_dump.commands import options, tables
+from sharding_dump.errors import BadInput
+from sharding_dump.golden import diff
+from sharding_dump.golden.engine import display
+from sharding_dump.resources import DATA_DIR, load_yaml, validate
+from sharding_dump.zoo import rules, state
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import CaseSetup, case_layouts
+from sharding_dump.zoo.state import TensorLayout, per_device_totals
+
+LINT_FILE = DATA_DIR / "lint.yml"
+TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
+
+    lint: str  # divisibility | unknown-name | replicated | memory
+    subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
+    message: str
+    details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
+
+    def render(self) -> str:
+        lines = [f"  [{self.lint}] {self.subject}", f"      {self.message}"]
+        lines += [f"      {d}" for d in self.details]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class LintSettings:
+    replicated_tolerance: float
+    known_logical_axes: frozenset[str]
+
+
+@functools.cache
+def lint_settings() -> LintSettings:
+    """The defaults of `data/lint.yml`."""
+    data = load_yaml(LINT_FILE, "lint settings")
+    validate(data, "lint", f"lint settings {LINT_FILE}")
+    names = frozenset(name for group in data["known_logical_axes"] for name in group)
+    return LintSettings(float(data["replicated_tolerance"]), names)
+
+
+# Card fields that only size a tensor or change arithmetic: two cards of one block that differ in
+# nothing else carry the same logical axis names, so one of them is traced (57 cards, 16 blocks).
+SIZE_FIELDS = frozenset({
+    "name", "emb_dim", "num_query_heads", "num_kv_heads", "vocab_size", "mlp_dim", "head_dim", "moe_mlp_dim",
+    "normalization_layer_epsilon", "rope_max_timescale", "num_experts_per_tok", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "max_position_embeddings",
+    "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow", "mscale", "routed_scaling_factor",
+    "sliding_window_size", "local_rope_max_timescale", "global_rope_max_timescale", "num_decoder_layers",
+    "logical_axis_rules", "rope_type", "rope_interleave", "rope_truncate", "rope_attention_scaling",
+    "rope_linear_scaling_factor", "partial_rotary_factor", "global_rope_proportion", "local_rope_proportion",
+    "routed_score_func", "mlp_activations_limit", "attn_logits_soft_cap", "final_logits_soft_cap", "indexer_topk",
+    "nope_layer_interval", "mlp_activations"})
+
+
+@functools.cache
+def model_logical_axes() -> frozenset[str]:
+    """Every logical axis name on any leaf of any model card's training state (one card traced per
+    block and set of non-size fields)."""
+    names: set[str] = set()
+    seen = set()
+    for model in models.model_names():
+        cfg = models.load_config(model)
+        kind = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in SIZE_FIELDS)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        for _, _, logical in state.leaves(state.abstract_state(cfg)):
+            names.update(n for n in logical if n is not None)
+    return frozenset(names)
+
+
+def _axes_text(axes: rules.MeshAxes) -> str:
+    if axes is None:
+        return "null"
+    if isinstance(axes, str):
+        return axes
+    return f"[{', '.join(axes)}]"
+
+
+def rule_text(rule_set: rules.RuleSet, index: int) -> str:
+    """`sharding_dump/rules/default.yml:36  [kv_heads, [tensor, tensor_sequence]]`."""
+    name, axes = rule_set.logical_axis_rules[index]
+    where = "(unknown line)"
+    if index < len(rule_set.origins):
+        path, line = rule_set.origins[index]
+        where = f"{display(path)}:{line}"
+    return f"{where}  [{name}, {_axes_text(axes)}]"
+
+
+def dimension_rules(rule_set: rules.RuleSet, layout: TensorLayout) -> list[str]:
+    """For every named dimension of a tensor, the rule that decided it (or that none did)."""
+    out = []
+    for dim, name in enumerate(layout.logical_axes):
+        if name is None:
+            continue
+        index = rules.deciding_rule(layout.logical_axes, rule_set.logical_axis_rules, dim)
+        out.append(f"  dim {dim} ({name}): " + (rule_text(rule_set, index) if index is not None
+                                                else f"no rule for '{name}' (unsharded)"))
+    return out
+
+
+def _tensor_details(rule_set: rules.RuleSet, listed: list[tuple[TensorLayout, int, str]], rest: int,
+                    rest_bytes: int, what: str) -> tuple[str, ...]:
+    """The listed tensors (with a size and a note) and the rules behind each dimension, then a count
+    of the ones not listed."""
+    lines = []
+    for layout, size, note in listed:
+        lines.append(f"{layout.path}{note}  {tables.format_bytes(size)}")
+        lines += dimension_rules(rule_set, layout)
+    if rest:
+        lines.append(f"... and {rest} more {what} ({tables.format_bytes(rest_bytes)})")
+    return tuple(lines)
+
+
+def _fold(per_tensor: dict[str, tuple[Any, ...]]) -> list[tuple[str, tuple[Any, ...]]]:
+    """Folds optimizer slots whose finding equals their parameter's under the parameter."""
+    out = []
+    for name, (finding, slots) in diff.fold_slots(per_tensor).items():
+        out.append((name + (f" (and {', '.join(slots)})" if slots else ""), finding))
+    return sorted(out, key=lambda item: (not item[0].startswith("params/"), item[0]))
+
+
+def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """Dimensions whose size is not a multiple of the product of the mesh axes they are split over."""
+    sizes = setup.plan.sizes
+    per_tensor: dict[str, tuple[Any, ...]] = {}
+    for layout, dim in state.indivisible(layouts):
+        size, pieces = layout.shape[dim], layout.shards(dim)
+        axes = [a for a in layout.axes(dim) if sizes[a] > 1]
+        over = " x ".join(f"{a}={sizes[a]}" for a in axes) + (f" = {pieces}" if len(axes) > 1 else "")
+        name = layout.logical_axes[dim]
+        index = rules.deciding_rule(layout.logical_axes, setup.rule_set.logical_axis_rules, dim)
+        problem = (f"dim {dim} ({name}) of size {size} is split over {over}: {size} is not a multiple of {pieces}",
+                   rule_text(setup.rule_set, index) if index is not None else f"no rule for '{name}'")
+        per_tensor[layout.path] = per_tensor.get(layout.path, ()) + (problem,)
+    return [Finding("divisibility", subject, message, (f"rule: {rule}",))
+            for subject, problems in _fold(per_tensor) for message, rule in problems]
+
+
+def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLayout] = ()) -> list[Finding]:
+    """Rules for logical axes that no tensor of any model (the built-in ones and the case's own)
+    carries and that the trainer does not define."""
+    own = {n for t in layouts for n in t.logical_axes if n is not None}
+    used = model_logical_axes() | own | known | set(setup.rule_set.input_data_sharding_logical_axes)
+    findings = []
+    for index, (name, _) in enumerate(setup.rule_set.logical_axis_rules):
+        if name not in used:
+            findings.append(Finding(
+                "unknown-name", f"logical axis '{name}'",
+                f"no tensor of any model ({', '.join(models.model_names())}) carries '{name}' and the trainer "
+                f"defines no such axis ({display(LINT_FILE)}): the rule never applies (a typo?)",
+                (f"rule: {rule_text(setup.rule_set, index)}",)))
+    return findings
+
+
+def _global_bytes(layout: TensorLayout) -> int:
+    return math.prod(layout.shape) * jnp.dtype(layout.dtype).itemsize
+
+
+def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: float) -> list[Finding]:
+    """Share of parameter bytes split over no mesh axis of size > 1, against the tolerance."""
+    sizes = setup.plan.sizes
+    if not any(size > 1 for size in sizes.values()):
+        return []
+    params = [t for t in layouts if t.group == "params"]
+    whole = [t for t in params if not any(sizes[a] > 1 for d in range(len(t.shape)) for a in t.axes(d))]
+    total = sum(_global_bytes(t) for t in params)
+    replicated = sum(_global_bytes(t) for t in whole)
+    if not total or replicated / total <= tolerance:
+        return []
+    axes = ", ".join(f"{a}={s}" for a, s in sizes.items() if s > 1)
+    ordered = sorted(whole, key=lambda t: (-_global_bytes(t), t.path))
+    listed = [(t, _global_bytes(t), "") for t in ordered[:TOP_TENSORS]]
+    rest = ordered[TOP_TENSORS:]
+    return [Finding(
+        "replicated", "parameters held whole by every device",
+        f"{replicated / total:.1%} of the parameter bytes ({tables.format_bytes(replicated)} of "
+        f"{tables.format_bytes(total)}) are split over none of {axes}, above the {tolerance:.1%} tolerance",
+        _tensor_details(setup.rule_set, listed, len(rest), sum(_global_bytes(t) for t in rest), "replicated parameters"))]
+
+
+def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """Params + optimizer state per device against the HBM of one device of the topology."""
+    hbm = setup.topology.hbm_bytes_per_device
+    if hbm is None:
+        return []
+    totals = per_device_totals(layouts)
+    used = totals.get("params", 0) + totals.get("opt_state", 0)
+    if used <= hbm:
+        return []
+    by_param: dict[str, int] = {}  # a parameter with its optimizer slots
+    for t in layouts:
+        if t.group == "params":
+            by_param[t.path] = by_param.get(t.path, 0) + t.per_device_bytes
+        elif t.group == "opt_state":
+            mirror = diff.slot_parameter(t.path)
+            if mirror and mirror[0] in by_param:
+                by_param[mirror[0]] += t.per_device_bytes
+    layout_of = {t.path: t for t in layouts}
+    ordered = sorted(by_param, key=lambda p: (-by_param[p], p))
+    listed = [(layout_of[p], by_param[p], " (with its optimizer slots)") for p in ordered[:TOP_TENSORS]]
+    rest = ordered[TOP_TENSORS:]
+    return [Finding(
+        "memory", "params + optimizer state per device",
+        f"params {tables.format_bytes(totals.get('params', 0))} + optimizer state "
+        f"{tables.format_bytes(totals.get('opt_state', 0))} = {tables.format_bytes(used)} per device, above the "
+        f"{tables.format_bytes(hbm)} HBM of one {setup.topology.chip} device ({used / hbm:.0%}); largest per device:",
+        _tensor_details(setup.rule_set, listed, len(rest), sum(by_param[p] for p in rest), "parameters"))]
+
+
+def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
+    """Every finding of `case`, lint by lint."""
+    settings = lint_settings()
+    tolerance = settings.replicated_tolerance if tolerance is None else tolerance
+    setup, layouts = case_layouts(case)
+    return (check_divisibility(setup, layouts) + check_names(setup, settings.known_logical_axes, layouts)
+            + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
+
+
+def parse_tolerance(text: str) -> float:
+    """`0.05` or `5%` -> 0.05; BadInput outside [0, 1]."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise BadInput(f"--replicated-tolerance {text!r}: must be a fraction in [0, 1] (e.g. 0.02) or a percentage (2%)")
+    return value
+
+
+def render_findings(case: Case, findings: Iterable[Finding]) -> str:
+    """`<case>: clean`, or a count line and one block per finding."""
+    findings = list(findings)
+    if not findings:
+        return f"{case.label}: clean"
+    head = f"{case.label}: {len(findings)} finding{'' if len(findings) == 1 else 's'}"
+    return "\n".join([head] + [f.render() for f in findings])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_case_options(parser, "check every case of the case matrix")
+    parser.add_argument("--replicated-tolerance", metavar="F",
+                        help="largest share of parameter bytes that may be replicated on every device, as a "
+                             "fraction or a percentage (default: data/lint.yml, 2%%)")
+    options.add_settings_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 1 on any finding, 0 when clean."""
+    tolerance = None if args.replicated_tolerance is None else parse_tolerance(args.replicated_tolerance)
+    cases = options.cases_of(args, "checks", options.project_of(args))
+    lint_settings()  # a broken data/lint.yml is bad input before any output
+    found = 0
+    for index, case in enumerate(cases, 1):
+        start = time.perf_counter()
+        findings = lint_case(case, tolerance)
+        found += len(findings)
+        head, _, rest = render_findings(case, findings).partition("\n")
+        options.progress(index, len(cases), head, start)
+        if rest:
+            print(rest, flush=True)
+    if len(cases) > 1:
+        print(f"{len(cases)} cases checked, {found} finding{'' if found == 1 else 's'}")
+    return 1 if found else 0

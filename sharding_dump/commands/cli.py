@@ -1,0 +1,177 @@
+"""The `sharding-dump` command.
+
+    sharding-dump --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...] [--golden-dir DIR]
+    sharding-dump --maxtext-config RUN.yml [--topology T] [--num-slices N] [MAXTEXT_KEY=VALUE ...]
+    sharding-dump --all [--cases FILE ...] [--golden-dir DIR]
+    sharding-dump list models|topologies|rules|settings
+    sharding-dump diff OLD NEW [--format text|markdown|json] [--max-chars N]
+    sharding-dump check (CASE | --all [--cases FILE ...]) [--replicated-tolerance F]
+    sharding-dump show CASE
+    sharding-dump verify (CASE | --all) [--format text|markdown|json] [--tpu] [--record]
+    sharding-dump --version
+
+The golden folder, the case files and extra rule and card folders come from `[tool.sharding-dump]` in
+the nearest pyproject.toml (:mod:`sharding_dump.zoo.project`); --golden-dir and --cases override it. Each
+subcommand is a module of this package with `add_arguments(parser)` and `run(args) -> exit status`;
+the options they share are built by :mod:`sharding_dump.commands.options`.
+
+CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump, or a MaxText
+run configuration: --maxtext-config RUN.yml [--topology T] [KEY=VALUE ...] (:mod:`sharding_dump.zoo.maxtext_config`).
+Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
+or `check` a finding, 2 on bad input (one line on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+from typing import Sequence
+
+from sharding_dump.commands.options import Parser
+from sharding_dump.errors import BadInput, UnevenSplitWarning, one_line
+
+# The command needs no accelerator and must give the same bytes whatever JAX's environment says
+# (JAX_PLATFORMS=cuda on a machine without GPUs, JAX_NUMPY_DTYPE_PROMOTION=strict, ... would crash it):
+# these JAX options are forced before any backend starts, and XLA_FLAGS (flags for compiling, which
+# the command never does; an unknown one aborts the process) is dropped.
+JAX_OPTIONS = {"jax_platforms": "cpu", "jax_enable_x64": False, "jax_numpy_dtype_promotion": "standard",
+               "jax_disable_jit": False}
+DROPPED_ENVIRONMENT = ("XLA_FLAGS",)
+
+
+def _force_jax_options() -> None:
+    """Set in the environment, which jax reads when it is imported (a command that needs no jax, like
+    `diff`, never imports it); applied to jax's config too when it is imported already."""
+    for name, value in JAX_OPTIONS.items():
+        os.environ[name.upper()] = str(value).lower() if isinstance(value, bool) else value
+    for name in DROPPED_ENVIRONMENT:
+        os.environ.pop(name, None)
+    if "jax" in sys.modules:
+        import jax
+
+        for name, value in JAX_OPTIONS.items():
+            jax.config.update(name, value)
+
+# Command -> (module, what it does): the module is imported only when its command runs, so `diff`
+# never loads jax. `dump` is also what runs when no command word is given.
+COMMANDS = {
+    "dump": ("dump", "write one case's golden JSON (or --all: every case); the default command"),
+    "list": ("listing", "list the model cards, topologies, rule files or settings"),
+    "diff": ("diff", "compare two case folders or two golden trees, per tensor (text, markdown or json)"),
+    "check": ("check", "lint a case: uneven splits, unknown axes, replicated parameters, memory above HBM"),
+    "show": ("show", "print one case as a table of every leaf's layout and the totals per device"),
+    "verify": ("verify", "compile a case's training step on fake devices (or a TPU topology) and check it"),
+}
+DEFAULT = "dump"
+
+
+def _parser(name: str, word_given: bool) -> Parser:
+    """The parser of one command, its description the one line of COMMANDS; the dump's `--help` when
+    no command word was given lists every command."""
+    module, summary = COMMANDS[name]
+    if word_given:
+        parser = Parser(prog=f"sharding-dump {name}", description=summary[0].upper() + summary[1:] + ".")
+    else:
+        width = max(map(len, COMMANDS))
+        listing = "\n".join(f"  {command:<{width}}  {text}" for command, (_, text) in COMMANDS.items())
+        parser = Parser(prog="sharding-dump", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Dump the sharding of a model's full training state for one case (or every "
+                                    "case of\nthe matrix) as golden JSON.",
+                        epilog=f"commands (sharding-dump COMMAND --help for each):\n{listing}")
+    importlib.import_module(f"sharding_dump.commands.{module}").add_arguments(parser)
+    return parser
+
+
+def run(argv: Sequence[str]) -> int:
+    """Parses `argv` and runs its command; BadInput on bad input."""
+    word_given = bool(argv) and argv[0] in COMMANDS
+    name = argv[0] if word_given else DEFAULT
+    args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
+    return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
+
+
+_SHOW_WARNING = warnings.showwarning
+
+
+def _warning_line(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
+    """Our warnings as one `sharding-dump: warning: ...` line on stderr (the exit status is unchanged)."""
+    if issubclass(category, UnevenSplitWarning):
+        print(f"sharding-dump: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _SHOW_WARNING(message, category, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def version() -> str:
+    """`sharding-dump 0.1.0 (jax 0.10.2, jaxlib 0.10.2, flax 0.12.8, optax 0.2.8)`: the versions a
+    golden depends on, read from the installed distributions (nothing imported)."""
+    from importlib import metadata
+
+    def of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{name} {of(name)}" for name in ("jax", "jaxlib", "flax", "optax"))
+    return f"sharding-dump {of('sharding-dump')} ({deps})"
+
+
+class _Stdout:
+    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def _fail(self, err: OSError | None) -> BadInput:
+        from sharding_dump.errors import os_error
+
+        self.stream = None
+        sys.stdout = open(os.devnull, "w")  # nothing more to write; no error again at exit
+        if err is None:
+            return BadInput("standard output: it is closed (Bad file descriptor)")
+        return os_error("standard output:", "cannot write", err)
+
+    def write(self, text: str) -> int:
+        if self.stream is None:
+            raise self._fail(None)
+        try:
+            return self.stream.write(text)
+        except OSError as err:
+            raise self._fail(err) from None
+
+    def flush(self) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.flush()
+        except OSError as err:
+            raise self._fail(err) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _force_jax_options()
+    warnings.simplefilter("always", UnevenSplitWarning)
+    shown_before = warnings.showwarning
+    warnings.showwarning = _warning_line
+    stdout = sys.stdout
+    guard = sys.stdout = _Stdout(stdout)
+    try:
+        status = run(argv)
+        sys.stdout.flush()
+        return status
+    except BadInput as err:
+        print(f"sharding-dump: error: {one_line(str(err))}", file=sys.stderr)
+        return 2
+    finally:
+        warnings.showwarning = shown_before
+        if guard.stream is not None:  # after a failed write, stdout stays /dev/null to the end
+            sys.stdout = stdout
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""`sharding-dump list models|topologies|rules|settings`: what the package and the project offer."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=["models", "topologies", "rules", "settings"])
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.what == "models":
+        from sharding_dump import models
+        from sharding_dump.models.config import card_files
+        from sharding_dump.resources import MODELS_DIR
+        from sharding_dump.zoo import state
+        files = card_files()
+        for name in models.model_names():
+            cfg = models.load_config(name)
+            count = state.parameter_count(state.abstract_state(cfg))
+            source = "" if files[name].parent == MODELS_DIR else f"  (card {files[name]})"
+            print(f"{name:<18} {cfg.decoder_block:<10} {count:>17,} parameters ({count / 1e9:.2f}B){source}")
+        print(f"decoder blocks: {', '.join(sorted(models.decoder_blocks()))}")
+    elif args.what == "topologies":
+        from sharding_dump.zoo.topology import load_topology, topology_names
+        for name in topology_names():
+            t = load_topology(name)
+            print(f"{name:<14} {t.platform:<4} {t.chip:<6} {t.devices_per_slice:>6} devices/slice "
+                  f"{t.hbm_bytes_per_device / 2**30:>5.0f} GiB HBM/device")
+        print("cpu-N          cpu  any N devices, no HBM limit")
+    elif args.what == "rules":
+        from sharding_dump.zoo.rules import load_rule, rule_names
+        for name in rule_names():
+            print(f"{name:<20} mesh_axes: {', '.join(load_rule(name).mesh_axes)}")
+    else:
+        from sharding_dump.zoo.settings import format_value, setting_specs
+        for key, spec in setting_specs().items():
+            print(f"{key:<42} default {format_value(spec.default):<8} {spec.help}")
+        print(f"{'ici_<axis>_parallelism, dcn_<axis>_parallelism':<42} default {'1':<8} "
+              f"size of any other mesh axis a rule file declares (-1: fill with what is left)")
+    return 0

@@ -1,0 +1,147 @@
+"""Options shared by the subcommands: one builder per option group, so every command spells a case,
+its settings, the golden folder and a report format the same way.
+
+>>> parser = Parser(prog="sharding-dump show")
+>>> add_case_options(parser)
+>>> add_settings_argument(parser)
+>>> args = parser.parse_args(["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp",
+...                           "ici_fsdp_parallelism=-1"])
+>>> args.model, args.topology, args.settings
+('llama2-7b', 'v5p-16', ['ici_fsdp_parallelism=-1'])
+>>> parser.parse_args(["--num-slices", "two"])
+Traceback (most recent call last):
+sharding_dump.errors.BadInput: argument --num-slices: 'two' is not a whole number (see sharding-dump show --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from sharding_dump.errors import BadInput, one_line, shown
+from sharding_dump.resources import MAX_DIGITS
+
+if TYPE_CHECKING:  # the commands import what they need when they run
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.project import Project
+
+REPORT_FORMATS = ("text", "markdown", "json")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one BadInput line like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise BadInput(f"{message} (see {self.prog} --help)")
+
+
+def whole_number(text: str) -> int:
+    """argparse type for counts: the bounds are checked where the count is used."""
+    digits = text.strip().lstrip("+-")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number")
+    if len(digits) > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: more than {MAX_DIGITS} digits, beyond any bound")
+    return int(text)
+
+
+def add_case_options(parser: argparse.ArgumentParser, all_help: str | None = None) -> None:
+    """The options that name one case (and, when `all_help` is given, --all for the whole matrix)."""
+    parser.add_argument("--model", help="model card name (sharding-dump list models), path to a card .yml, or "
+                                        "package.module:factory")
+    parser.add_argument("--topology", help="accelerator name, e.g. v5p-16, tpu7x-2048, a3, cpu-8")
+    parser.add_argument("--rule", help="rule file name (sharding-dump list rules) or path to a .yml rule file")
+    parser.add_argument("--num-slices", type=whole_number, help="number of slices (DCN), default 1")
+    parser.add_argument("--maxtext-config", metavar="RUN.yml",
+                        help="a MaxText run configuration (its base_config chain, the model config model_name "
+                             "names, then MaxText KEY=VALUE), instead of --model and --rule: model_name names the "
+                             "card, custom_mesh_and_rule the rule, compile_topology the topology; every key is "
+                             "honoured, ignored as layout-neutral or refused (data/maxtext_keys.yml)")
+    if all_help:
+        parser.add_argument("--all", action="store_true", help=all_help)
+        parser.add_argument("--cases", action="append", metavar="FILE",
+                            help="case file for --all (repeatable; default: cases of [tool.sharding-dump] in "
+                                 "pyproject.toml, else the package's own matrix)")
+
+
+def add_settings_argument(parser: argparse.ArgumentParser) -> None:
+    """The trailing KEY=VALUE setting overrides of a case."""
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="setting overrides, e.g. ici_fsdp_parallelism=-1 (sharding-dump list settings)")
+
+
+def add_golden_dir_option(parser: argparse.ArgumentParser, what: str, *aliases: str) -> None:
+    """--golden-dir: the root of the golden tree, `what` the command does with it."""
+    parser.add_argument("--golden-dir", *aliases, dest="golden_dir", metavar="DIR",
+                        help=f"root of the golden tree {what} (default: golden-dir of [tool.sharding-dump] in "
+                             "pyproject.toml, else golden/)")
+
+
+def add_format_option(parser: argparse.ArgumentParser) -> None:
+    """--format of a report: text for a terminal, markdown for a pull-request comment, json for tools."""
+    parser.add_argument("--format", choices=REPORT_FORMATS, default="text",
+                        help="text (terminal), markdown (pull-request comment) or json; default text")
+
+
+def project_of(args: argparse.Namespace) -> Project:
+    """[tool.sharding-dump] of the nearest pyproject.toml, with --cases and --golden-dir applied."""
+    from sharding_dump.golden.engine import check_root
+    from sharding_dump.zoo.project import load_project
+
+    golden_dir = getattr(args, "golden_dir", None)
+    if golden_dir is not None:
+        check_root(golden_dir)  # as given: an empty --golden-dir is refused, not read as "here"
+    return load_project().with_overrides(getattr(args, "cases", None), golden_dir)
+
+
+def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
+    """The case the options name, or every case of the project's case files under --all; all of them
+    validated (mesh, settings, model) so that every bad input surfaces before any work or output."""
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.dump import setup_case
+    from sharding_dump.zoo.settings import parse_assignments
+
+    if getattr(args, "all", False):
+        if args.model or args.topology or args.rule or args.settings or args.num_slices is not None \
+                or args.maxtext_config:
+            raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/"
+                           f"--maxtext-config/KEY=VALUE")
+        cases = project.load_cases()
+    elif args.maxtext_config:
+        cases = [_maxtext_case(args, verb, project)]
+    else:
+        missing = [flag for flag, value in (("--model", args.model), ("--topology", args.topology),
+                                            ("--rule", args.rule)) if not value]
+        if missing:
+            raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
+        if getattr(args, "cases", None):
+            raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
+        cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
+                           1 if args.num_slices is None else args.num_slices, parse_assignments(args.settings))]
+    for case in cases:
+        setup_case(case)
+    return cases
+
+
+def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:
+    """The case of --maxtext-config (KEY=VALUE are MaxText keys); verify says which layout-neutral keys
+    it compiles otherwise than the configuration asks."""
+    from sharding_dump.zoo import maxtext_config
+
+    if args.model or args.rule or getattr(args, "cases", None):
+        raise BadInput("--maxtext-config names the model (model_name) and the rule (custom_mesh_and_rule): "
+                       "drop --model/--rule/--cases")
+    read = maxtext_config.read_case(args.maxtext_config, args.settings, args.topology, args.num_slices,
+                                    project.resolve)
+    if verb == "verifies":
+        for note in read.compiled_notes:
+            print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
+    return read.case
+
+
+def progress(index: int, count: int, line: str, started: float) -> None:
+    """One line per finished case, flushed so a CI log shows it at once; `[i/n]` when there are many."""
+    prefix = f"[{index}/{count}] " if count > 1 else ""
+    print(f"{prefix}{line} ({time.perf_counter() - started:.2f}s)", flush=True)

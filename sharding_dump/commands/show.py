@@ -1,0 +1,62 @@
+"""`sharding-dump show`: one case as a table for the terminal, without writing anything.
+
+Every leaf of the training state (parameters first) with its shape, logical axes, partition spec and
+what one device holds of it, then the per-device totals against the device's HBM. Specs leave out
+mesh axes of size 1 (they split nothing) unless asked for the spec exactly as the golden holds it.
+
+>>> specs.spec_to_json(["fsdp", ["tensor", "expert"], None], 3, {"fsdp": 8, "tensor": 1, "expert": 1})
+['fsdp', None, None]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from sharding_dump.commands import options, tables
+from sharding_dump.core import specs
+from sharding_dump.golden import diff
+from sharding_dump.zoo import state
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import case_layouts
+
+GROUP_ORDER = {"params": 0, "opt_state": 1}
+
+
+def render_case_table(case: Case, full_specs: bool = False) -> str:
+    """The table and totals of `case`."""
+    setup, layouts = case_layouts(case)
+    sizes = setup.plan.sizes
+    rows: list[list[Any]] = []
+    for t in sorted(layouts, key=lambda t: (GROUP_ORDER.get(t.group, 2), t.path)):
+        spec = specs.spec_to_json(t.partition_spec, len(t.shape))
+        rows.append([t.path, diff.compact(list(t.shape)), diff.compact(list(t.logical_axes)),
+                     diff.compact(spec if full_specs else specs.spec_to_json(spec, len(spec), sizes)),
+                     diff.compact(list(t.per_device_shape)), tables.format_bytes(t.per_device_bytes)])
+    mesh = " x ".join(f"{name}={size}" for name, size in sizes.items() if size > 1) or "a single device"
+    note = "" if full_specs else "; specs leave out mesh axes of size 1 (--full-specs shows them)"
+    lines = [f"{case.label}: mesh {mesh} ({setup.plan.num_devices} devices){note}", "",
+             tables.render(["tensor", "shape", "logical axes", "spec", "per-device shape", "bytes/device"],
+                           rows, "text", right=(5,)), ""]
+    totals = state.per_device_totals(layouts)
+    groups = sorted((g for g in totals if g != "total"), key=lambda g: (GROUP_ORDER.get(g, 2), g))
+    parts = ", ".join(f"{group} {tables.format_bytes(totals[group])}" for group in groups)
+    hbm = setup.topology.hbm_bytes_per_device
+    limit = (f" of {tables.format_bytes(hbm)} HBM ({totals['total'] / hbm:.1%})" if hbm
+             else " (no HBM limit known for this topology)")
+    lines.append(f"per device: {parts}; total {tables.format_bytes(totals['total'])}{limit}")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_case_options(parser)
+    parser.add_argument("--full-specs", action="store_true",
+                        help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
+    options.add_settings_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    (case,) = options.cases_of(args, "shows", options.project_of(args))
+    sys.stdout.write(render_case_table(case, full_specs=args.full_specs))
+    return 0

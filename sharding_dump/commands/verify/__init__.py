@@ -1,0 +1,90 @@
+"""`sharding-dump verify`: compile a case's real training step and report what an abstract dump cannot see.
+
+The dump proves the state's layout; it cannot tell whether XLA partitions the step well. `verify`
+compiles one training step of the case (forward, backward, AdamW update) with
+`jax.jit(step, in_shardings=state+batch, out_shardings=state+loss, donate the state)` in a child
+process (:mod:`sharding_dump.commands.verify.child`), so that the number of fake CPU devices can be set before
+jax starts, and reports per case:
+
+- involuntary full rematerializations: XLA's partitioner could not reshard a value and replicated it
+  (a failure). XLA writes these warnings from C++ to file descriptor 2, so the child's fd 2 goes to a
+  file that is parsed here;
+- values XLA keeps whole on every device after sharding propagation, above a size threshold (a
+  failure), read from the module as it stands after propagation, before partitioning;
+- per-device memory from XLA's own analysis (arguments, outputs, aliases, temporaries) and whether it
+  fits the topology's HBM: on CPU an estimate (XLA:CPU schedules and fuses unlike a TPU), so
+  informative; with `--tpu` XLA's own verdict for the real chip, a failure when it does not fit;
+- collectives per step (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute),
+  count and per-device bytes, loop bodies multiplied by their trip counts;
+- that the compiled state shardings equal the golden's, leaf for leaf (a failure otherwise).
+
+With `--record`, the compiled figures are written beside the case's golden as
+`compiled_<backend>_jax-<version>.json`; a later run on the same backend and jax version compares
+with them (a failure when they differ, like a golden). Other backends' files are left alone.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sharding_dump.commands import options
+from sharding_dump.commands.verify.render import render, render_case
+from sharding_dump.commands.verify.run import (
+    check_tpu_available,
+    check_tpu_case,
+    golden_specs,
+    verify_case,
+)
+from sharding_dump.commands.verify.settings import (
+    SETTINGS_FILE,
+    Options,
+    default_threshold,
+    parse_size,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_case_options(parser, "verify every case of the case matrix")
+    options.add_format_option(parser)
+    parser.add_argument("--replicated-threshold", metavar="SIZE",
+                        help=f"smallest value (e.g. 64MiB) that may not be replicated on every device "
+                             f"(default: {SETTINGS_FILE.name})")
+    options.add_golden_dir_option(parser, "the compiled shardings are compared with")
+    parser.add_argument("--record", action="store_true",
+                        help="write the compiled figures beside each case's golden, keyed by backend and jax version")
+    parser.add_argument("--tpu", action="store_true",
+                        help="compile ahead of time for the case's real TPU topology (needs libtpu: "
+                             "pip install 'sharding-dump[tpu]'; no TPU needed)")
+    options.add_settings_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every case is clean, 1 on any failure."""
+    threshold = default_threshold() if args.replicated_threshold is None else parse_size(args.replicated_threshold)
+    project = options.project_of(args)
+    cases = options.cases_of(args, "verifies", project)
+    if args.tpu:
+        check_tpu_available()
+        for case in cases:
+            check_tpu_case(case)
+    settings = Options(threshold, project.golden_dir, record=args.record, tpu=args.tpu)
+    for case in cases:  # an unreadable golden is bad input before any compile
+        golden_specs(case, settings.golden_dir)
+    results = []
+    for index, case in enumerate(cases, 1):
+        result = verify_case(case, settings)
+        results.append(result)
+        prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
+        if args.format == "text":
+            print(prefix + render_case(result, "text") + "\n", flush=True)
+        else:  # stdout is the report to paste or parse; progress goes to stderr
+            status = "FAILED" if result.failures else "ok"
+            print(f"{prefix}{result.label}: {status} ({result.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
+    if args.format == "text":
+        failed = sum(1 for r in results if r.failures)
+        print(f"{len(results)} case{'s' * (len(results) != 1)} verified, {failed} failed")
+    else:
+        sys.stdout.write(render(results, args.format))
+    return 1 if any(r.failures for r in results) else 0

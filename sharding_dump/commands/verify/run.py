@@ -1,0 +1,112 @@
+"""Verifying one case: its request to the compiling child process, and the answer read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sharding_dump.commands.verify.figures import compare_figures
+from sharding_dump.commands.verify.hlo import Replicated, Traffic
+from sharding_dump.commands.verify.result import CaseResult
+from sharding_dump.commands.verify.settings import Options, tpu_topologies
+from sharding_dump.commands.verify.xla_log import rematerializations
+from sharding_dump.core.format import NAMED_FILE
+from sharding_dump.errors import BadInput
+from sharding_dump.resources import PACKAGE_DIR
+
+
+def golden_specs(case: Any, root: Path) -> dict[str, Any] | None:
+    """Leaf path -> partition spec (JSON form) of the case's named golden; None when there is none."""
+    from sharding_dump.golden import codec
+    from sharding_dump.zoo.case import golden_dir
+
+    path = golden_dir(case, root) / NAMED_FILE
+    if not path.is_file():
+        return None
+    return {p: entry["partition_spec"] for p, entry in codec.read_document(path)["tensors"].items()}
+
+
+def _child_env(devices: int, tpu: bool, work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if not tpu:  # with --tpu the devices come from libtpu's topology description, no backend needed
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    else:  # libtpu logs to files of its own: its warnings (the partitioner's among them) go to fd 2
+        env.update(TPU_STDERR_LOG_LEVEL="1", TPU_MIN_LOG_LEVEL="1", TPU_LOG_DIR=str(work))
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] +
+                                        [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def case_request(case: Any) -> dict[str, Any]:
+    """The case as the child rebuilds it."""
+    return {"model": case.model, "topology": case.topology, "rule": case.rule, "num_slices": case.num_slices,
+            "overrides": {k: v for k, v in case.overrides}}
+
+
+def check_tpu_available() -> None:
+    """--tpu needs libtpu (the `sharding-dump[tpu]` extra): BadInput naming the fix when it is absent."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise BadInput("--tpu: libtpu is not installed; install the extra with `pip install 'sharding-dump[tpu]'` "
+                       "(it compiles for the real TPU topology, no TPU needed)")
+
+
+def check_tpu_case(case: Any) -> None:
+    """--tpu needs a TPU topology of the table."""
+    if case.topology not in tpu_topologies():
+        raise BadInput(f"--tpu: {case.label}: topology {case.topology!r} is not a TPU slice "
+                       f"(e.g. v5p-16, v6e-16, tpu7x-8); run without --tpu to compile on CPU")
+
+
+def verify_case(case: Any, options: Options) -> CaseResult:
+    """Compiles the case's training step in a child process and checks it."""
+    from sharding_dump.zoo.topology import load_topology
+
+    topology = load_topology(case.topology, case.num_slices)
+    golden = golden_specs(case, options.golden_dir)
+    request = {"case": case_request(case), "golden": golden, "threshold": options.replicated_threshold,
+               "tpu": options.tpu, "tpu_topology": tpu_topologies().get(case.topology) if options.tpu else None}
+    result = CaseResult(case.label, "tpu" if options.tpu else "cpu", topology.num_devices,
+                        topology.hbm_bytes_per_device, threshold=options.replicated_threshold)
+    if golden is None:
+        result.golden_missing = case.command(str(options.golden_dir))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sharding-dump-verify-") as tmp:
+        work = Path(tmp)
+        (work / "request.json").write_text(json.dumps(request), encoding="utf-8")
+        with open(work / "xla.log", "wb") as log:  # the child's fd 2: XLA's C++ warnings land here
+            proc = subprocess.run([sys.executable, "-m", "sharding_dump.commands.verify.child", str(work)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                  env=_child_env(topology.num_devices, options.tpu, work))
+        log_text = (work / "xla.log").read_text(encoding="utf-8", errors="replace")
+        answer_path = work / "result.json"
+        if proc.returncode != 0 or not answer_path.is_file():
+            tail = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
+            result.compile_error = f"the compiling process exited with status {proc.returncode}: {tail[0][:500]}"
+            result.wall_seconds = time.perf_counter() - start
+            return result
+        answer = json.loads(answer_path.read_text(encoding="utf-8"))
+    result.wall_seconds = time.perf_counter() - start
+    result.jax_version = answer["jax_version"]
+    result.cpu_seconds, result.peak_rss_bytes = answer["cpu_seconds"], answer["peak_rss_bytes"]
+    result.compile_error = answer.get("compile_error") or ""
+    result.memory = answer.get("memory") or {}
+    result.collectives = {k: Traffic(**v) for k, v in (answer.get("collectives") or {}).items()}
+    result.replicated = [Replicated(**r) for r in answer.get("replicated") or []]
+    result.mismatches = [tuple(m) for m in answer.get("mismatches") or []]
+    result.remats = rematerializations(log_text)
+    if not result.compile_error:
+        compare_figures(case, options, result)
+    return result
+
+

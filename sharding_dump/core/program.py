@@ -1,0 +1,428 @@
+"""The training program the harness traces: the model and how it is called, or the user's own step.
+
+Two levels, both reachable as a factory (`--model package.module:function` returning one):
+
+* :class:`ModelProgram`: a model (linen or NNX, or a factory of one) and how to call it on a batch.
+  The harness builds the state (default AdamW) and runs its next-token step, calling the model with
+  the batch's tokens plus what the program declares: positions under the keyword the model takes,
+  further batch fields (:class:`Input`) or values computed from the batch, constant keyword
+  arguments (`deterministic=False`, `cache=None`), RNG streams (dropout), which part of the output
+  is the logits; or all of it through a `call(model, batch, rngs)` hook.
+* :class:`TrainProgram`: the user's own `init(key) -> state` and `train_step(state, batch) ->
+  (state, metrics)` plus an abstract batch with logical axes per field. The harness traces *their*
+  step (their loss, optimizer, remat, RNG handling, gradient accumulation) and dumps its state.
+
+A module or a plain factory of one is the simplest program: `ModelProgram(model)`.
+
+Every call into the user's code is guarded: an exception there, or a call that does not fit, is a
+:class:`ProgramError` (a one-line BadInput) saying which call failed, what the harness passed and
+what the interface expects.
+
+>>> import flax.linen as nn, jax.numpy as jnp
+>>> class Tiny(nn.Module):
+...     @nn.compact
+...     def __call__(self, tokens, inputs_positions=None, deterministic=True):
+...         x = nn.Embed(64, 8)(tokens)
+...         x = nn.Dropout(0.1)(x, deterministic=deterministic)
+...         return x @ jnp.ones((8, 64)), None
+>>> program = ModelProgram(Tiny(), kwargs={"deterministic": False})
+>>> sorted(program.model_of().build_params()), program.position_keyword(Tiny())
+(['Embed_0'], 'inputs_positions')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from sharding_dump.core import state as core_state
+from sharding_dump.core.layout import is_box, unbox
+from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_batch
+from sharding_dump.errors import BadInput
+
+SIZES = ("batch", "length")  # the symbolic sizes an Input's shape may name
+
+
+class ProgramError(BadInput):
+    """A call into the user's code failed or did not fit the interface: one line, exit status 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """One field of the batch: its shape (ints, or `batch` / `length` for the case's global batch
+    size and sequence length), dtype and logical axes. Without logical axes the field is placed like
+    the tokens (the rule file's input axes, else the data pipeline's layout) on its first two
+    dimensions."""
+
+    shape: tuple[int | str, ...] = SIZES
+    dtype: str = "int32"
+    logical_axes: tuple[str | None, ...] | None = None
+
+    def abstract(self, batch: int, length: int) -> jax.ShapeDtypeStruct:
+        """This field for a batch of `batch` sequences of `length` tokens."""
+        sizes = {"batch": batch, "length": length}
+        return jax.ShapeDtypeStruct(tuple(sizes[d] if isinstance(d, str) else int(d) for d in self.shape),
+                                    jnp.dtype(self.dtype))
+
+    def check(self, name: str) -> None:
+        """BadInput (one line) when the shape names an unknown size or the axes do not fit it."""
+        for dim in self.shape:
+            if isinstance(dim, str) and dim not in SIZES or not isinstance(dim, (str, int)):
+                raise ProgramError(f"batch field {name!r}: shape entry {dim!r}: give an int or one of {', '.join(SIZES)}")
+        if self.logical_axes is not None and len(self.logical_axes) != len(self.shape):
+            raise ProgramError(f"batch field {name!r}: {len(self.logical_axes)} logical axes for a rank-"
+                               f"{len(self.shape)} shape {self.shape}")
+
+
+TOKEN_BATCH = {name: Input() for name in BATCH_FIELDS}
+
+
+@functools.cache
+def _call_defaults() -> dict[str, tuple[str, ...]]:
+    from sharding_dump.resources import DATA_DIR, load_yaml, validate
+
+    path = DATA_DIR / "program.yml"
+    data = load_yaml(path, "model call defaults")
+    validate(data, "program", f"model call defaults {path}")
+    return {key: tuple(value) for key, value in data.items()}
+
+
+def position_keywords() -> tuple[str, ...]:
+    """Keyword names a model may take positions under (data/program.yml)."""
+    return _call_defaults()["position_keywords"]
+
+
+def default_streams() -> tuple[str, ...]:
+    """RNG streams provided while tracing (data/program.yml)."""
+    return _call_defaults()["rng_streams"]
+
+
+# --- describing what was passed, guarding the user's code -------------------------------------------
+
+def describe(value: Any) -> str:
+    """A short text for an argument: `int32[8,128]` for an array, `{inputs: int32[8,128], ...}` for a
+    mapping, the repr (cut) for anything else."""
+    from sharding_dump.errors import shown
+
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{getattr(value.dtype, 'name', value.dtype)}[{','.join(map(str, value.shape))}]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + "}"
+    if type(value).__name__ == "Rngs":
+        return f"Rngs({', '.join(str(name) for name in vars(value) if not str(name).startswith('_'))})"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(describe(v) for v in value) + ")"
+    return shown(value, 40)
+
+
+def call_text(name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
+    """`name(int32[8,128], positions=int32[8,128])`."""
+    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in (kwargs or {}).items()]
+    return f"{name}({', '.join(parts)})"
+
+
+def signature_text(fn: Any) -> str:
+    """`Transformer.__call__(self, last_tokens, positions, cache, attention_mask, rngs=None)` (no annotations)."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
+    name = getattr(target, "__qualname__", type(target).__name__)
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return name
+    shown = [p.replace(annotation=inspect.Parameter.empty) for p in params]
+    return f"{name}({', '.join(str(p) for p in shown)})"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0].strip()}" if lines else type(err).__name__
+
+
+@contextlib.contextmanager
+def user_code(what: str, passed: str, expects: str) -> Iterator[None]:
+    """Runs the user's code; any exception it raises becomes one ProgramError line naming the call,
+    what was passed and what the interface expects (a BadInput from a nested guard passes through)."""
+    try:
+        yield
+    except BadInput:
+        raise
+    except Exception as err:  # noqa: BLE001: anything the user's code raises is reported, not a traceback
+        raise ProgramError(f"{what} failed with {_first_line(err)} (the harness passed {passed}; {expects})") from None
+
+
+# --- level 1: the model and how to call it ------------------------------------------------------------
+
+Call = Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProgram:
+    """A model and how the harness calls it on a batch (see the module docstring).
+
+    `model`: a linen module, an NNX module, or a zero-argument factory of either (an NNX factory is
+    built abstractly). `call(model, batch, rngs) -> output` replaces the declarative call: `model` is
+    the bound linen module or the NNX module, `batch` the dict of placed batch fields, `rngs` one key
+    per stream. Otherwise the model is called as `model(batch["inputs"], **keywords)` with:
+    `positions` ("auto": the first of data/program.yml's position keywords its `__call__` takes; a
+    name; or None) receiving `batch["inputs_position"]`; `inputs`, keyword -> :class:`Input` (a batch
+    field of that name) or a function of the batch; `kwargs`, constant keyword arguments; and, for an
+    NNX `__call__` taking `rngs`, `rngs=nnx.Rngs(**keys)`. `logits` picks the logits out of the
+    output: None for the output itself, its `.logits`, or the first element of a tuple; an attribute
+    or key name; an index; or a function of the output."""
+
+    model: Any
+    call: Call | None = None
+    inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    positions: str | None = "auto"
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    logits: Any = None
+    rngs: tuple[str, ...] | None = None  # None: data/program.yml's rng_streams
+
+    def streams(self) -> tuple[str, ...]:
+        return default_streams() if self.rngs is None else tuple(self.rngs)
+
+    def batch_fields(self) -> dict[str, Input]:
+        """The token batch plus the Input fields the call takes."""
+        fields = dict(TOKEN_BATCH)
+        for name, value in self.inputs.items():
+            if isinstance(value, Input):
+                value.check(name)
+                fields[name] = value
+        return fields
+
+    def model_of(self, built: Any = None) -> core_state.Model:
+        """The model as the core drives it, called by this program's call (built abstractly)."""
+        init_fields = {name: f.abstract(*core_state.INIT_TOKENS) for name, f in self.batch_fields().items()}
+        if built is None:
+            built = self.model
+            if not isinstance(built, (nn.Module, _nnx().Module)):
+                with user_code(f"the model factory {_name(self.model)}", "no arguments",
+                               "a model factory takes no arguments and returns a Flax linen or NNX module"):
+                    built = core_state.build_abstract(self.model)
+        if not isinstance(built, (nn.Module, _nnx().Module)):
+            raise ProgramError(f"the model factory {_name(self.model)} returned {type(built).__name__}; the interface "
+                               "expects a Flax linen or NNX module (or a ModelProgram / TrainProgram)")
+        model = core_state.as_model(self.model, self._guarded_call(built), init_fields, self.streams(), built=built)
+        init = model.build_params
+
+        def build_params() -> Any:
+            with user_code(f"initialising the model ({type(built).__name__}.init)", call_text("init", [init_fields]),
+                           f"it is initialised through the same call as in the step: {self._expects(built)}"):
+                return init()
+
+        return dataclasses.replace(model, build_params=build_params)
+
+    def position_keyword(self, module: Any) -> str | None:
+        """The keyword positions are passed under, for this (linen or NNX) module."""
+        if self.positions != "auto":
+            return self.positions
+        names = _parameters(module)
+        return next((k for k in position_keywords() if k in names), None)
+
+    def _expects(self, module: Any) -> str:
+        if self.call is not None:
+            return f"the call hook {_name(self.call)}(model, batch, rngs) returns the model's output"
+        return (f"the model's call is {signature_text(module)}; the harness passes the tokens, the positions "
+                "under a keyword the call takes, the RNG streams of ModelProgram(rngs=...) and what "
+                "ModelProgram(inputs=..., kwargs=...) declares, or calls ModelProgram(call=...)")
+
+    def _guarded_call(self, module: Any) -> Call:
+        keyword = self.position_keyword(module)
+        streams_kw = self.call is None and not isinstance(module, nn.Module) and core_state.takes(
+            type(module).__call__, "rngs")
+
+        def call(bound: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
+            if self.call is not None:
+                with user_code(f"the call hook {_name(self.call)}", f"call(model, {describe(batch)}, {describe(rngs)})",
+                               self._expects(module)):
+                    return self.call(bound, batch, rngs)
+            kwargs: dict[str, Any] = {}
+            if keyword is not None:
+                kwargs[keyword] = batch["inputs_position"]
+            for name, value in self.inputs.items():
+                if isinstance(value, Input):
+                    kwargs[name] = batch[name]
+                else:
+                    with user_code(f"computing input {name!r} with {_name(value)}", call_text("", [batch]),
+                                   "an input function takes the batch and returns the argument"):
+                        kwargs[name] = value(batch)
+            kwargs.update(self.kwargs)
+            if streams_kw and rngs:
+                kwargs["rngs"] = _nnx().Rngs(**rngs)
+            with user_code("the model call", call_text(f"{type(module).__name__}", [batch["inputs"]], kwargs),
+                           self._expects(module)):
+                return bound(batch["inputs"], **kwargs)
+
+        return call
+
+    def pick_logits(self, output: Any, batch: dict[str, Any]) -> jax.Array:
+        """The logits [batch, length, vocab] out of the model's output; ProgramError when they are not."""
+        pick = self.logits
+        with user_code("picking the logits out of the model's output", describe(output),
+                       "ModelProgram(logits=...) names them: an attribute or key, an index, or a function"):
+            if callable(pick):
+                logits = pick(output)
+            elif isinstance(pick, str):
+                logits = output[pick] if isinstance(output, Mapping) else getattr(output, pick)
+            elif isinstance(pick, int):
+                logits = output[pick]
+            elif hasattr(output, "logits") and not hasattr(output, "shape"):
+                logits = output.logits
+            elif isinstance(output, (tuple, list)) and output:
+                logits = output[0]
+            else:
+                logits = output
+        tokens = batch["inputs"].shape
+        if getattr(logits, "ndim", None) != 3 or tuple(logits.shape[:2]) != tuple(tokens):
+            raise ProgramError(f"the model's output {describe(output)} holds no logits [batch, length, vocab] for "
+                               f"tokens {describe(batch['inputs'])}; name them with ModelProgram(logits=...): an "
+                               "attribute or key, an index, or a function of the output")
+        return logits
+
+    def train_step(self, model: core_state.Model, optimizer: Any, input_axes: Sequence[str | None] | None,
+                   input_spec: PartitionSpec | None) -> Step:
+        """The harness's next-token step over this model's call."""
+        step = next_token_step(model.apply, optimizer, None, logits=self.pick_logits, streams=self.streams())
+        own = {name: f.logical_axes for name, f in self.batch_fields().items()}
+
+        def placed(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any]:
+            return step(state, place_batch(batch, input_axes, input_spec, own))
+
+        return placed
+
+
+# --- level 2: the user's own init and step --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+    """The user's own training program: `init(key) -> state` (the full training state, parameters
+    boxed with logical axes as linen's `with_logical_partitioning` or NNX variables' sharding metadata
+    leave them, and the optimizer state built over them), `train_step(state, batch) -> (state,
+    metrics)` (their loss, optimizer, remat, RNG handling) and the abstract `batch`, field name ->
+    :class:`Input`. The harness runs `init` under `jax.eval_shape` on the case's mesh and rules,
+    places each batch field (its logical axes, else the input layout) and traces `train_step` on the
+    state with linen boxes removed (as a trainer unboxes before jit)."""
+
+    init: Callable[[jax.Array], Any]
+    train_step: Callable[[Any, dict[str, jax.Array]], tuple[Any, Any]]
+    batch: Mapping[str, Input] = dataclasses.field(default_factory=lambda: dict(TOKEN_BATCH))
+
+    def batch_fields(self) -> dict[str, Input]:
+        for name, field in self.batch.items():
+            if not isinstance(field, Input):
+                raise ProgramError(f"TrainProgram batch field {name!r} is {type(field).__name__}; the interface "
+                                   "expects an Input(shape, dtype, logical_axes)")
+            field.check(name)
+        return dict(self.batch)
+
+    def abstract_state(self, key: jax.Array) -> Any:
+        """`init(key)` under `jax.eval_shape` (call it inside the case's mesh and rules)."""
+        with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
+                       "init(key) returns the training state"):
+            return jax.eval_shape(self.init, key)
+
+    def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
+        """Their step, with the batch placed first and the state's linen boxes removed."""
+        own = {name: f.logical_axes for name, f in self.batch_fields().items()}
+
+        def step(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any]:
+            state = unbox(state)
+            batch = place_batch(batch, input_axes, input_spec, own)
+            with user_code(f"the program's train_step {_name(self.train_step)}", call_text("train_step", [
+                    "state", batch]), "train_step(state, batch) returns (new state, metrics)"):
+                out = self.train_step(state, batch)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ProgramError(f"the program's train_step {_name(self.train_step)} returned {describe(out)}; "
+                                   "the interface expects a pair (new state, metrics)")
+            if jax.tree.structure(out[0]) != jax.tree.structure(state):
+                raise ProgramError(f"the program's train_step {_name(self.train_step)} returned a state of another "
+                                   "structure than init's; the interface expects the new state to have the same "
+                                   "structure as the state it was given")
+            return out
+
+        return step
+
+
+Program = ModelProgram | TrainProgram
+
+
+def as_program(obj: Any, name: str = "") -> Program:
+    """A ModelProgram or TrainProgram as given, or a module / module factory as `ModelProgram(obj)`.
+    A factory is run once (under `nnx.eval_shape`: an NNX module it builds comes back abstract); a
+    ModelProgram whose model it built as an NNX module gets that module back abstract too."""
+    from flax import nnx
+
+    if isinstance(obj, (ModelProgram, TrainProgram)):
+        return obj
+    if isinstance(obj, (nn.Module, nnx.Module)):
+        return ModelProgram(obj)
+    if not callable(obj):
+        raise ProgramError(f"model {name or _name(obj)} is a {type(obj).__name__}; the interface expects a Flax "
+                           "module, a ModelProgram or TrainProgram, or a zero-argument function returning one")
+    held: list[ModelProgram] = []
+    other: list[Any] = []
+
+    def build() -> Any:
+        built = obj()
+        if isinstance(built, nnx.Module):
+            return built
+        if isinstance(built, ModelProgram) and isinstance(built.model, nnx.Module):
+            held.append(built)
+            return built.model
+        other.append(built)
+        return None
+
+    with user_code(f"the model factory {name or _name(obj)}", "no arguments",
+                   "a factory takes no arguments and returns a Flax module, a ModelProgram or a TrainProgram"):
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(build)
+    if held:
+        return dataclasses.replace(held[0], model=abstract)
+    built = other[0] if other else abstract
+    if isinstance(built, (ModelProgram, TrainProgram)):
+        return built
+    if isinstance(built, (nn.Module, nnx.Module)):
+        return ModelProgram(built)
+    raise ProgramError(f"the model factory {name or _name(obj)} returned {type(built).__name__}; the interface "
+                       "expects a Flax linen or NNX module, a ModelProgram or a TrainProgram")
+
+
+def _nnx() -> Any:
+    from flax import nnx
+
+    return nnx
+
+
+def _parameters(target: Any) -> tuple[str, ...]:
+    fn = target.__call__ if isinstance(target, nn.Module) else type(target).__call__
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def boxed_view(state: Any) -> Any:
+    """The state with every NNX variable that has sharding metadata as a flax `Partitioned` box over
+    its value (others as their value), so that layouts read logical axes from linen and NNX alike."""
+    nnx = _nnx()
+
+    def box(leaf: Any) -> Any:
+        if not isinstance(leaf, nnx.Variable):
+            return leaf
+        names = leaf.get_metadata().get("out_sharding")
+        value = leaf.get_value()
+        return nn.Partitioned(value, names=tuple(names)) if names else value
+
+    return jax.tree.map(box, state, is_leaf=lambda x: isinstance(x, nnx.Variable) or is_box(x))

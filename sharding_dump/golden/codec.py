@@ -1,0 +1,81 @@
+"""Golden documents as canonical bytes, schema-checked both ways.
+
+Canonical text is `json.dumps(sort_keys=True, indent=2)` plus a trailing newline, so the same case
+gives the same bytes on any machine, hash seed or worker count. Every document is schema-checked when
+it is rendered and when it is read back, and its kind must match its file name
+(:data:`sharding_dump.core.format.FILE_KINDS`).
+
+>>> doc = {"format_version": 1, "kind": "logical", "mesh": {"axis_names": ["fsdp"], "axis_sizes": [4],
+...        "shard_mode": "auto"}, "tensors": {"params/w": {"shape": [8], "logical_axes": ["embed"]}}}
+>>> render({"logical_shardings.json": doc})["logical_shardings.json"].splitlines()[:2]
+[b'{', b'  "format_version": 1,']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from sharding_dump.core.format import FILE_KINDS
+from sharding_dump.errors import BadInput
+from sharding_dump.resources import (
+    error_field,
+    error_message,
+    is_valid,
+    parse_json,
+    read_regular_file,
+    read_text,
+    schema_validator,
+)
+
+GOLDEN_MAX_BYTES = 64 << 20
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of a golden file: a regular file of at most GOLDEN_MAX_BYTES, else BadInput."""
+    return read_regular_file(path, "golden file", GOLDEN_MAX_BYTES)
+
+def check_document(doc: Mapping[str, Any], where: str) -> None:
+    """Schema-checks a document; a failure names `where` and the failing field."""
+    kind = doc.get("kind") if isinstance(doc, Mapping) else None
+    if kind in FILE_KINDS.values() and is_valid(doc, kind):
+        return
+    try:
+        validator = schema_validator(str(kind))
+    except KeyError:  # unknown kind: no such schema in the registry
+        raise BadInput(f"{where}: field kind: {kind!r} is not a golden document kind") from None
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise BadInput(f"{where}: field {error_field(errors[0])}: {error_message(errors[0])}")
+
+def canonical_bytes(doc: Mapping[str, Any]) -> bytes:
+    """The one text form of a document."""
+    return (json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+def render(docs: Mapping[str, Mapping[str, Any]]) -> dict[str, bytes]:
+    """{file name: document} -> {file name: canonical bytes}, every document schema-checked first."""
+    for name, doc in docs.items():
+        check_document(doc, name)
+    return {name: canonical_bytes(doc) for name, doc in sorted(docs.items())}
+
+def read_document(path: Path) -> dict[str, Any]:
+    """Reads and schema-checks a golden file (regular, bounded, UTF-8 JSON); a file named after one
+    kind of document (named_shardings.json, ...) must hold that kind."""
+    text = read_text(path, "golden file", GOLDEN_MAX_BYTES)
+    doc = parse_json(text, f"golden file {path}")
+    expected = FILE_KINDS.get(Path(path).name)
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    if expected is not None and kind != expected:
+        raise BadInput(f"golden file {path}: field kind: {json.dumps(kind)[:40]} under the name {Path(path).name}, "
+                       f"which holds kind {expected!r}")
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    if digest not in _VALIDATED:  # the same text passes or fails its schema the same way every time
+        check_document(doc, f"golden file {path}")
+        if len(_VALIDATED) >= 4096:
+            _VALIDATED.clear()
+        _VALIDATED.add(digest)
+    return doc
+
+
+_VALIDATED: set[bytes] = set()  # digests of documents that passed their schema in this process

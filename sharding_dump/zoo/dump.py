@@ -1,0 +1,282 @@
+"""From a Case to its golden documents: topology -> rule -> mesh -> model -> state -> JSON.
+
+>>> from sharding_dump.zoo.case import Case
+>>> docs = dump_case(Case.make("qwen3-0.6b", "tpu7x-16", "pure-fsdp"))
+>>> sorted(docs)
+['activation_shardings.json', 'logical_shardings.json', 'named_shardings.json']
+>>> docs["named_shardings.json"]["tensors"]["params/token_embedder/embedding"]["partition_spec"]
+[None, 'fsdp']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr
+
+from sharding_dump import models
+from sharding_dump.core import documents, specs
+from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
+from sharding_dump.core.layout import typed_layouts
+from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
+from sharding_dump.core.state import Model, abstract_train_state, as_model, explicit_train_state
+from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
+from sharding_dump.errors import BadInput, UnevenSplitWarning
+from sharding_dump.golden import codec
+from sharding_dump.models.config import card_path
+from sharding_dump.models.pipeline import PipelineConfig
+from sharding_dump.zoo import rules, settings, state
+from sharding_dump.zoo.batch import BatchPlan, plan_batch
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
+from sharding_dump.zoo.model_ref import load_factory
+from sharding_dump.zoo.pipeline_plan import check_batch, pipeline_rules, plan_pipeline, stage_before_data
+from sharding_dump.zoo.topology import Topology, load_topology
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSetup:
+    """Everything resolved for one case (in explicit mode, after a check of the traced init)."""
+
+    case: Case
+    topology: Topology
+    rule_set: rules.RuleSet  # the rule file with the model card's rules merged in
+    values: dict[str, Any]  # effective settings
+    plan: MeshPlan
+    config: models.ModelConfig | None  # None for a user's factory model
+    batch: BatchPlan
+    pipeline: PipelineConfig | None = None  # the built-in model's pipeline schedule, when `stage` > 1
+
+    @property
+    def explicit(self) -> bool:
+        """shard_mode=explicit: the state is traced on an Explicit-axis mesh."""
+        return self.values["shard_mode"] == "explicit"
+
+    @property
+    def step_explicit(self) -> bool:
+        """The training step too runs on the Explicit-axis mesh: a user's program in explicit mode (a
+        model with sharding in types needs it; the zoo's step stays on the Auto mesh)."""
+        return self.explicit and self.config is None
+
+    def step_mesh(self) -> Any:
+        """The abstract mesh the training step is traced on."""
+        return self.plan.abstract_mesh(explicit=self.step_explicit)
+
+
+def setup_case(case: Case) -> CaseSetup:
+    """Resolves topology, rules, settings, mesh and model config; BadInput on anything invalid."""
+    topology = load_topology(case.topology, case.num_slices)
+    rule_set = rules.load_rule(case.rule)
+    mesh_defaults = rule_set.mesh_settings_for(topology.name)
+    values = settings.resolve(case.overrides, mesh_defaults)
+    explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
+    plan = plan_mesh(rule_set, topology, values, explicit)
+    if case.model_ref.kind == "factory":
+        config, pipeline = None, None
+        _check_factory_settings(case, values, plan)
+    else:
+        config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
+        rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
+        pipeline = plan_pipeline(values, plan, rule_set, models.pipelined_stack_length(config))
+        if pipeline is not None:
+            rule_set = pipeline_rules(rule_set)
+            plan = stage_before_data(plan)
+    if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
+        raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
+                       f"(mesh_axes: {', '.join(plan.axis_names)})")
+    batch = plan_batch(rule_set, plan, values)
+    if pipeline is not None:
+        check_batch(pipeline, batch.global_batch_size)
+    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch, pipeline)
+    if setup.explicit:
+        _check_even_splits(setup)
+    return setup
+
+
+# Settings that only a built-in model (built from a card) can honour.
+CARD_ONLY_SETTINGS = ("weight_dtype", "num_pipeline_microbatches", "num_pipeline_repeats", "pipeline_parallel_layers")
+
+
+def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) -> None:
+    """A user's model is built by its own factory: settings that shape a built-in model do not apply."""
+    given = [key for key, _ in case.overrides if key in CARD_ONLY_SETTINGS]
+    if given:
+        raise BadInput(f"{given[0]}: applies to built-in models only; model {case.model!r} is built by its own "
+                       "factory (set it there)")
+    if plan.sizes.get("stage", 1) > 1:
+        raise BadInput(f"stage axis of size {plan.sizes['stage']}: pipeline parallelism is built into the zoo's "
+                       f"layer stacks; model {case.model!r} is a user factory (size the stage axis 1)")
+
+
+def _check_even_splits(setup: CaseSetup) -> None:
+    """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
+    pads it): say which one, before anything is traced on the Explicit mesh."""
+    auto = _abstract_state(setup.config, setup.pipeline) if setup.config is not None else \
+        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False)
+    layouts = state.tensor_layouts(boxed_view(auto), setup.plan, setup.rule_set, setup.values["shard_optimizer_over_data"])
+    params_first = _uneven_params_first(layouts)
+    for layout, dim in params_first[:1]:
+        spec = specs.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
+        raise BadInput(f"shard_mode=explicit: {layout.path} dimension {dim} (size {layout.shape[dim]}) does not "
+                       f"split evenly over {spec} ({layout.shards(dim)} shards); explicit mode needs even "
+                       f"splits (shard_mode=auto pads them)")
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_state(config: models.ModelConfig, pipeline: PipelineConfig | None) -> dict[str, Any]:
+    # Shapes only depend on the config and pipeline; cases of one model share the traced init.
+    return state.abstract_state(config, pipeline)
+
+
+@functools.lru_cache(maxsize=16)
+def factory_program(ref: str) -> Program:
+    """The user's training program behind a factory reference (a module or module factory is the
+    simplest one), built once per process (abstractly)."""
+    return as_program(load_factory(ref), ref)
+
+
+@functools.lru_cache(maxsize=16)
+def program_model(ref: str) -> Model:
+    """The model of a factory's ModelProgram as the core drives it, built once per process."""
+    program = factory_program(ref)
+    assert isinstance(program, ModelProgram)
+    return program.model_of()
+
+
+@functools.lru_cache(maxsize=16)
+def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool) -> Any:
+    program = factory_program(ref)
+    mesh = plan.abstract_mesh(explicit=explicit)
+    if isinstance(program, TrainProgram):
+        from sharding_dump.core.layout import rules_of
+        import flax.linen as nn
+        import jax
+
+        key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
+        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
+            return program.abstract_state(key)
+    model = program_model(ref)
+    if explicit:
+        return explicit_train_state(model, mesh, rules, state.optimizer())
+    return abstract_train_state(model.abstract_params(mesh, rules), state.optimizer())
+
+
+def abstract_state_of(setup: CaseSetup) -> Any:
+    """The abstract training state of the case's model: a card's (boxed), or a user program's, whose
+    init runs under the case's mesh and rules as it would in training (on the Explicit-axis mesh in
+    explicit mode, each leaf then carrying its sharding)."""
+    if setup.config is not None:
+        return _abstract_state(setup.config, setup.pipeline)
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit)
+
+
+def header(setup: CaseSetup) -> dict[str, Any]:
+    """The part every golden file of the case starts with."""
+    return {
+        "case": setup.case.header(),
+        "mesh": {"axis_names": list(setup.plan.axis_names), "axis_sizes": list(setup.plan.shape),
+                 "shard_mode": setup.values["shard_mode"]},
+    }
+
+
+def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
+    """The resolved case and the layout of every leaf of its training state (auto mode: from the
+    rules; explicit mode: read from the state traced on an Explicit-axis mesh)."""
+    setup = setup_case(case)
+    over_data = setup.values["shard_optimizer_over_data"]
+    if setup.explicit and setup.config is not None:
+        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
+                                                            setup.pipeline)
+    boxed = boxed_view(abstract_state_of(setup))
+    if setup.explicit:
+        return setup, typed_layouts(boxed, setup.plan.sizes)
+    return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
+
+
+def _uneven_params_first(layouts: list[state.TensorLayout]) -> list[tuple[state.TensorLayout, int]]:
+    """The (leaf, dimension) pairs that split unevenly, parameters before optimizer slots (the one
+    worth naming first)."""
+    return sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+
+
+def warn_uneven(setup: CaseSetup, layouts: list[state.TensorLayout]) -> None:
+    """Warns (UnevenSplitWarning) when any leaf of the case splits unevenly, naming one (a parameter
+    when there is one); `sharding-dump check` lists them all."""
+    uneven = _uneven_params_first(layouts)
+    if not uneven:
+        return
+    layout, dim = uneven[0]
+    count = len({t.path for t, _ in uneven})
+    over = " x ".join(f"{a}={setup.plan.sizes[a]}" for a in layout.axes(dim) if setup.plan.sizes[a] > 1)
+    warnings.warn(UnevenSplitWarning(
+        f"{setup.case.label}: {count} lea{'f does' if count == 1 else 'ves do'} not split evenly over their mesh "
+        f"axes (the last shard is padded), e.g. {layout.path} dimension {dim} ({layout.logical_axes[dim]}) of "
+        f"size {layout.shape[dim]} over {over} = {layout.shards(dim)} shards; `sharding-dump check` lists them"),
+        stacklevel=2)
+
+
+def dump_case(case: Case) -> dict[str, dict[str, Any]]:
+    """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits unevenly)."""
+    setup, layouts = case_layouts(case)
+    warn_uneven(setup, layouts)
+    constraints = trace_activations(setup)
+    return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
+                                      activation_header={"batch": setup.batch.header()})
+
+
+def case_model(setup: CaseSetup) -> Model:
+    """The zoo model of a card case as the core drives it."""
+    assert setup.config is not None
+    return as_model(models.build_model(setup.config, setup.pipeline))
+
+
+def case_step(setup: CaseSetup) -> Step:
+    """One training step of the case: a card's or a ModelProgram's next-token step (batch placed on the
+    rule's input axes, else the data pipeline's layout; forward, backward, AdamW update), or a
+    TrainProgram's own step."""
+    axes, spec = setup.batch.logical_axes, None if setup.batch.logical_axes else setup.batch.pipeline_spec
+    if setup.config is not None:
+        return next_token_step(case_model(setup).apply, state.optimizer(), axes, input_spec=spec)
+    program = factory_program(setup.case.model)
+    if isinstance(program, TrainProgram):
+        return program.step(axes, spec)
+    return program.train_step(program_model(setup.case.model), state.optimizer(), axes, spec)
+
+
+def case_batch(setup: CaseSetup) -> dict[str, Any]:
+    """The abstract batch of the case: the token fields, or a program's own; on an Explicit-axis mesh
+    each field carries the data pipeline's layout in its type."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    fields = factory_program(setup.case.model).batch_fields() if setup.config is None else \
+        {name: None for name in BATCH_FIELDS}
+    out = {}
+    for name, field in fields.items():
+        abstract = field.abstract(*setup.batch.shape) if field is not None else \
+            jax.ShapeDtypeStruct(setup.batch.shape, "int32")
+        if setup.step_explicit:
+            spec = (tuple(setup.batch.pipeline_spec) + (None,) * abstract.ndim)[:abstract.ndim]
+            abstract = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype,
+                                            sharding=NamedSharding(setup.step_mesh(), PartitionSpec(*spec)))
+        out[name] = abstract
+    return out
+
+
+def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
+    """The jaxpr of one training step of the case's model on its abstract mesh, and its recording."""
+    return trace(case_step(setup), abstract_state_of(setup), case_batch(setup),
+                 mesh=setup.step_mesh(), rules=setup.rule_set)
+
+
+def trace_activations(setup: CaseSetup) -> list[Constraint]:
+    """Every activation constraint of one training step of the case's model on its mesh."""
+    return read_constraints(*trace_case(setup))
+
+
+def render_case(case: Case) -> dict[str, bytes]:
+    """The exact bytes of every golden file of `case`."""
+    return codec.render(dump_case(case))

@@ -1,0 +1,228 @@
+"""Rule files: a mesh (`mesh_axes`) plus the logical-to-physical axis rules for it.
+
+A rule is named (`sharding_dump/rules/<name>.yml`) or given as a path to a user's own file. Every
+file is checked against `data/schemas/rule.schema.json`, and every mesh axis a rule names must be in
+its `mesh_axes`. Logical specs are resolved with flax's own resolver, so precedence and fallbacks
+behave exactly as in training:
+
+>>> rules = load_rule("pure-fsdp")
+>>> to_mesh_axes(("embed", "mlp"), rules.logical_axis_rules)
+P('fsdp', None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import flax.linen as nn
+from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
+from jax.sharding import PartitionSpec
+
+from sharding_dump.core.format import NAMED_FILE
+from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
+from sharding_dump.core.specs import rule_axes
+from sharding_dump.errors import BadInput
+from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
+from sharding_dump.zoo import settings as settings_mod
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+    """A loaded, validated rule file."""
+
+    name: str
+    path: Path
+    mesh_axes: tuple[str, ...]
+    data_sharding: tuple[str, ...]
+    context_sharding: str | None
+    input_data_sharding_logical_axes: tuple[str, ...]  # () when the file has none: the batch follows data_sharding
+    logical_axis_rules: Rules
+    mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
+    origins: tuple[tuple[Path, int], ...] = ()
+
+    def mesh_settings_for(self, topology_name: str) -> dict[str, Any]:
+        """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
+        for pattern, values in self.mesh_rules:
+            if re.search(pattern, topology_name):
+                return values
+        return {}
+
+
+def rule_names() -> list[str]:
+    """The rule files shipped with the package."""
+    return sorted(p.stem for p in RULES_DIR.glob("*.yml"))
+
+
+def is_rule_path(ref: str) -> bool:
+    """A `--rule` value is a path when it has a separator or a YAML suffix; otherwise a name."""
+    return "/" in ref or "\\" in ref or ref.endswith((".yml", ".yaml"))
+
+
+def rule_name(ref: str) -> str:
+    """The name a rule reference goes by in case names: the name itself, or a path's stem."""
+    name = Path(ref).stem if is_rule_path(ref) else ref
+    if not SAFE_NAME.fullmatch(name):
+        raise BadInput(f"rule {ref!r}: a rule name is letters, digits, '.', '_' or '-'")
+    return name
+
+
+def rule_path(ref: str) -> Path:
+    """The file behind a rule reference; unknown names are BadInput."""
+    if is_rule_path(ref):
+        if not ref.endswith((".yml", ".yaml")):
+            raise BadInput(f"rule file {ref}: a rule file path must end in .yml or .yaml")
+        rule_name(ref)
+        return Path(ref)
+    if ref not in rule_names():
+        raise BadInput(f"unknown rule {ref!r}: valid rules are {', '.join(rule_names())} or a path to a .yml file")
+    return RULES_DIR / f"{ref}.yml"
+
+
+def load_rule(ref: str) -> RuleSet:
+    """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path)."""
+    path = rule_path(ref)
+    where = f"rule file {path}"
+    data = load_yaml(path, "rule file")
+    validate(data, "rule", where)
+    mesh_axes = tuple(data["mesh_axes"])
+    sized_by: dict[str, str] = {}
+    for axis in mesh_axes:  # any name; two names sized by one setting (stage and pipeline) would clash
+        key = settings_mod.parallelism_key("ici", axis)
+        if key in sized_by:
+            raise BadInput(f"{where}: field mesh_axes: {sized_by[key]!r} and {axis!r} are both sized by {key}: "
+                           f"rename one")
+        sized_by[key] = axis
+    rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data["logical_axis_rules"])
+    for index, (name, axes) in enumerate(rules):
+        for axis in axes_of(axes):
+            if axis not in mesh_axes:
+                raise BadInput(f"{where}: field logical_axis_rules/{index} ({name}): mesh axis {axis!r} "
+                               f"is not in mesh_axes [{', '.join(mesh_axes)}]")
+    data_sharding = tuple(data.get("data_sharding", [list(mesh_axes)])[0])
+    for axis in data_sharding:
+        if axis not in mesh_axes:
+            raise BadInput(f"{where}: field data_sharding: {axis!r} is not in mesh_axes [{', '.join(mesh_axes)}]")
+    context = data.get("context_sharding")
+    if context is not None and context not in mesh_axes:
+        raise BadInput(f"{where}: field context_sharding: {context!r} is not in mesh_axes [{', '.join(mesh_axes)}]")
+    mesh_rules = []
+    for index, entry in enumerate(data.get("mesh_rules", [])):
+        try:
+            re.compile(entry["match"])
+        except re.error as err:
+            raise BadInput(f"{where}: field mesh_rules/{index}/match: not a regular expression ({err})") from None
+        try:
+            parsed = dict(settings_mod.parse_overrides(entry["settings"]))
+        except BadInput as err:
+            raise BadInput(f"{where}: field mesh_rules/{index}/settings: {err}") from None
+        mesh_rules.append((entry["match"], parsed))
+    return RuleSet(
+        name=rule_name(ref),
+        path=path,
+        mesh_axes=mesh_axes,
+        data_sharding=data_sharding,
+        context_sharding=context,
+        input_data_sharding_logical_axes=tuple(data.get("input_data_sharding_logical_axes", ())),
+        logical_axis_rules=rules,
+        mesh_rules=tuple(mesh_rules),
+        origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
+    )
+
+
+def is_base_rule(rule_set: RuleSet) -> bool:
+    """True for the packaged `default` rule file: MaxText's base rules, the only ones a model card's
+    rules are merged into (any other rule file replaces the rules wholesale)."""
+    return rule_set.path.resolve() == (RULES_DIR / f"{BASE_RULE}.yml").resolve()
+
+
+def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source: Path | None = None) -> RuleSet:
+    """Applies a model card's own rules the way MaxText merges them: every rule of the base rule file
+    with the same logical name is dropped and the card's rules are appended. Any other rule file is
+    returned unchanged: as in MaxText, a custom mesh-and-rule file replaces the merged rules wholesale.
+    A card rule that names an axis this mesh lacks is left out (the card cannot know every mesh).
+    `source` is the card's file, so the merged rules keep pointing at the line that wrote them."""
+    if not is_base_rule(rule_set):
+        return rule_set
+    lines = yaml_item_lines(source, "logical_axis_rules") if source is not None else []
+    extra, extra_origins = [], []
+    for index, (name, axes) in enumerate(overrides):
+        if all(a in rule_set.mesh_axes for a in axes_of(rule_axes(axes))):
+            extra.append((name, rule_axes(axes)))
+            if index < len(lines):
+                extra_origins.append((source, lines[index]))
+    if not extra:
+        return rule_set
+    names = {name for name, _ in extra}
+    kept = [i for i, r in enumerate(rule_set.logical_axis_rules) if r[0] not in names]
+    origins = ()
+    if len(rule_set.origins) == len(rule_set.logical_axis_rules) and len(extra_origins) == len(extra):
+        origins = tuple(rule_set.origins[i] for i in kept) + tuple(extra_origins)
+    return dataclasses.replace(rule_set, logical_axis_rules=tuple(rule_set.logical_axis_rules[i] for i in kept)
+                               + tuple(extra), origins=origins)
+
+
+def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) -> int | None:
+    """Index of the rule that decided dimension `dim` of a logical spec, or None when no rule did.
+
+    flax assigns dimensions while it walks the rules in order, so replaying its own resolver on growing
+    prefixes of the rules finds the first prefix that assigns `dim`; its last rule is the one.
+
+    >>> r = (("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", None))
+    >>> deciding_rule(("embed", "mlp"), r, 1)   # the first mlp rule is skipped: fsdp is taken
+    2
+    >>> deciding_rule(("embed", "vocab"), r, 1) is None
+    True
+    """
+    names = tuple(logical_axes)
+    if names[dim] is None:
+        return None
+    for index, (name, _) in enumerate(rules):
+        if name == names[dim] and spmd._logical_to_mesh_axes(names, rules[: index + 1])[dim] is not spmd._unassigned_axis:
+            return index
+    return None
+
+
+def to_mesh_axes(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    """The physical PartitionSpec of one logical spec, by flax's resolver."""
+    return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+
+
+def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = ()) -> list[str]:
+    """Why a dump that worked may still not be what was meant, from its golden documents: rules that
+    shard nothing on a mesh of more than one device, and logical names in the rule file that no
+    tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
+    A rule file written for other logical names dumps everything replicated without an error."""
+    named = docs[NAMED_FILE]
+    sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
+    tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
+    warnings = []
+    if math.prod(sizes.values()) > 1:
+        # What the rules placed: the state, and activations with logical axes (a batch left on the data
+        # pipeline's layout, or a constraint given in mesh axes, is placed without them).
+        ruled = [entry for entry in tensors if any(name is not None for name in entry.get("logical_axes", ()))
+                 or entry.get("pass") is None]
+        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
+        if not any(sizes.get(axis, 1) > 1 for axis in used):
+            mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
+            warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "
+                            f"each of the {math.prod(sizes.values())} devices ({mesh}); do its logical names match "
+                            f"the model's?")
+    carried = {name for entry in tensors for name in entry.get("logical_axes", ()) if name is not None}
+    carried |= set(known) | set(rule_set.input_data_sharding_logical_axes)
+    lines = dict(zip(range(len(rule_set.origins)), (line for _, line in rule_set.origins)))
+    unused = [f"{name} (line {lines[i]})" if i in lines else name
+              for i, (name, _) in enumerate(rule_set.logical_axis_rules) if name not in carried]
+    if unused:
+        warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
+                        f"carries: {', '.join(unused)}")
+    return warnings

@@ -1,0 +1,343 @@
+"""A MaxText run configuration as a case (`--maxtext-config`): composed as MaxText composes it, every
+key honoured, ignored as layout-neutral or refused in one line, and the key list complete.
+
+MaxText's own configuration files are test data (tests/data/maxtext/configs, MaxText e591f30), found
+through MAXTEXT_CONFIGS_DIR as a MaxText installation would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO, tree_bytes
+from sharding_dump import models
+from sharding_dump.commands import cli, options
+from sharding_dump.zoo import maxtext_config, settings
+from sharding_dump.zoo.case import Case, golden_dir, load_matrix
+from sharding_dump.errors import BadInput
+from sharding_dump.models import config as config_module
+from sharding_dump.models.config import ModelConfig, load_card
+
+CONFIGS = REPO / "tests" / "data" / "maxtext" / "configs"
+RUN = REPO / "tests" / "data" / "maxtext" / "runs" / "llama2-7b-v5p-16.yml"
+BASE = CONFIGS / "base.yml"
+# Keys of MaxText's configuration that are not in base.yml: base_config (read by pyconfig itself),
+# and two that MaxText's model configs set (gemma3/llama4/qwen3.5 vision_encoder_block,
+# deepseek4 log_moe_bias_norms).
+BEYOND_BASE = {"base_config", "vision_encoder_block", "log_moe_bias_norms"}
+# ModelConfig fields that are no MaxText key: the card's own name and description, and the run
+# settings and pipeline plan the harness fills in.
+ZOO_ONLY_FIELDS = {"name", "description", "weight_dtype", "dtype", "pipeline"}
+
+
+@pytest.fixture(autouse=True)
+def maxtext_installed(monkeypatch):
+    """MaxText's configs folder, as an installation gives it; no M_<KEY> overrides from the caller."""
+    monkeypatch.setenv("MAXTEXT_CONFIGS_DIR", str(CONFIGS))
+    for name in [n for n in __import__("os").environ if n.startswith(maxtext_config.ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+
+
+def base_keys() -> dict:
+    return yaml.safe_load(BASE.read_text())
+
+
+def read(*command_line: str, config: Path = RUN, **kwargs) -> Case:
+    return maxtext_config.read_case(config, list(command_line), **kwargs).case
+
+
+def run_file(tmp_path: Path, text: str, name: str = "run.yml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# --- the key list ----------------------------------------------------------------------------------
+
+def test_every_key_of_maxtexts_base_yml_is_classified_and_nothing_else():
+    table = maxtext_config.key_table()
+    assert set(base_keys()) == set(table.kind) - BEYOND_BASE
+    assert BEYOND_BASE <= set(table.kind)
+
+
+def test_every_setting_of_the_package_is_honoured_under_maxtexts_name():
+    table = maxtext_config.key_table()
+    honoured = {k for k, kind in table.kind.items() if kind == "settings"}
+    known = set(settings.setting_specs())
+    assert known <= honoured, f"settings with no MaxText key: {sorted(known - honoured)}"
+    assert all(settings.spec_for(key) is not None for key in honoured)
+
+
+def test_every_model_card_field_is_a_classified_maxtext_key():
+    """A card field the other blocks add must be classified: as a model key (compared with the card)
+    when it moves a layout, as ignore when it is numerics."""
+    table = maxtext_config.key_table()
+    by_field = {spec.field: key for key, spec in table.model.items()}
+    rules = {"logical_axis_rules"}
+    for field in {f.name for f in dataclasses.fields(ModelConfig)} - ZOO_ONLY_FIELDS - rules:
+        key = by_field.get(field, field)
+        assert key in table.kind, f"card field {field} is no key of data/maxtext_keys.yml"
+        assert table.kind[key] in ("model", "ignore"), (field, table.kind[key])
+
+
+def test_a_model_key_without_a_neutral_value_is_a_field_every_block_builds():
+    common, _ = config_module._shipped_blocks()
+    table = maxtext_config.key_table()
+    assert {spec.field for spec in table.model.values() if not spec.has_neutral} <= common
+
+
+def test_maxtexts_defaults_are_never_refused():
+    """base.yml's own value of every refused or model key is one the zoo builds."""
+    base = base_keys()
+    table = maxtext_config.key_table()
+    for key, refusal in table.refuse.items():
+        assert maxtext_config.same(base[key], refusal.supported), key
+    for key, spec in table.model.items():
+        if spec.has_neutral:
+            assert maxtext_config.same(base[key], spec.neutral), key
+
+
+# --- a real run configuration ----------------------------------------------------------------------
+
+def test_run_config_with_kernel_keys_dumps_the_committed_golden(tmp_path, capsys):
+    """The run's kernel tiling, data, logging and checkpointing keys, plus one more on the command
+    line, give the golden of `--model llama2-7b --topology v5p-16 --rule default`, byte for byte."""
+    out = tmp_path / "g"
+    status = cli.main(["--maxtext-config", str(RUN), "sa_block_q=256", "sa_block_kv_dkv=2048", "--golden-dir", str(out)])
+    assert status == 0, capsys.readouterr().err
+    case = Case.make("llama2-7b", "v5p-16", "default")
+    assert tree_bytes(golden_dir(case, out)) == tree_bytes(golden_dir(case, REPO / "golden"))
+    assert [p.relative_to(out).as_posix() for p in out.glob("*/*/*/*")] == \
+        ["llama2-7b/v5p-16/slice_1/rule_default"]
+
+
+@pytest.mark.parametrize("command_line,key,why", [
+    (["quantization=int8"], "quantization", "adds scale tensors"),
+    (["dtype=float32"], "dtype", "the zoo computes in bfloat16"),
+    (["scan_layers=false"], "scan_layers", "changes every layer parameter's shape"),
+    (["opt_type=muon"], "opt_type", "changes the optimizer state"),
+    (["gradient_accumulation_steps=4"], "gradient_accumulation_steps", "changes every activation's batch"),
+    (["mu_dtype=bfloat16"], "mu_dtype", "AdamW's first moment"),
+    (["num_vocab_tiling=4"], "num_vocab_tiling", "vocabulary tiles"),
+    (["context_parallel_strategy=ring"], "context_parallel_strategy", "all_gather"),
+    (["fused_qkv=true"], "fused_qkv", "decoder block 'llama2' of model card llama2-7b does not build it"),
+    (["use_post_attn_norm=true"], "use_post_attn_norm", "does not build it"),
+    (["attention_type=mla"], "attention_type", "does not build it: it builds 'global'"),
+    (["no_such_key=1"], "no_such_key", "not a MaxText key that sharding-dump knows"),
+])
+def test_layout_relevant_unsupported_key_is_one_line_naming_it(tmp_path, capsys, command_line, key, why):
+    out = tmp_path / "g"
+    status = cli.main(["--maxtext-config", str(RUN), *command_line, "--golden-dir", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"sharding-dump: error: the command line: {key}: ") and why in err, err
+    assert not out.exists()
+
+
+def test_readme_shows_the_refusal_as_printed(tmp_path, capsys):
+    shown = next(line for line in (REPO / "README.md").read_text().splitlines()
+                 if line.startswith("sharding-dump: error: the command line: quantization"))
+    assert cli.main(["--maxtext-config", str(RUN), "quantization=int8", "--golden-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == shown + "\n"
+    assert len(base_keys()) == 696  # the count the README gives
+
+
+def test_refused_key_in_the_run_file_names_the_file(tmp_path, capsys):
+    run = run_file(tmp_path, f"""\
+        base_config: {RUN}
+        quantization: fp8
+        sa_block_q: 256
+        """)
+    status = cli.main(["--maxtext-config", str(run), "--golden-dir", str(tmp_path / "g")])
+    err = capsys.readouterr().err
+    assert status == 2 and f"{run}: quantization: 'fp8' is not supported" in err, err
+
+
+def test_every_refusal_is_named_after_the_first():
+    with pytest.raises(BadInput, match=r"dtype: 'float16' is not supported: .* \(and 2 more: quantization, scan_layers\)"):
+        read("dtype=float16", "quantization=int8", "scan_layers=false")
+
+
+def test_key_of_a_newer_base_yml_is_reported_not_ignored(tmp_path):
+    newer = tmp_path / "maxtext" / "base.yml"
+    newer.parent.mkdir()
+    newer.write_text(BASE.read_text() + "use_new_sharding_trick: false\n")
+    run = run_file(tmp_path / "maxtext", "base_config: base.yml\nmodel_name: llama2-7b\n")
+    with pytest.raises(BadInput, match=f"{newer}: use_new_sharding_trick: not a MaxText key that sharding-dump "
+                                       f"knows .* refused, not ignored"):
+        read(config=run, topology="v5p-16")
+
+
+def test_moe_only_refusal_applies_to_models_with_experts():
+    assert read("model_name=mixtral-8x7b", "override_model_config=true", "shard_exp_on_fsdp=false").model == "mixtral-8x7b"
+    with pytest.raises(BadInput, match="shard_exp_on_fsdp: true is not supported: changes the logical axes of the MoE"):
+        read("model_name=mixtral-8x7b", "shard_exp_on_fsdp=true")
+    assert read("shard_exp_on_fsdp=true").model == "llama2-7b"  # a dense model has no expert weights
+
+
+def test_verify_warns_what_it_compiles_otherwise_and_a_dump_does_not(capsys):
+    args = argparse.Namespace(maxtext_config=str(RUN), settings=["remat_policy=minimal"], topology=None,
+                              num_slices=None, model=None, rule=None)
+    project = options.project_of(args)
+    assert options.cases_of(args, "dumps", project)[0].model == "llama2-7b"
+    assert capsys.readouterr().err == ""
+    options.cases_of(args, "verifies", project)
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("sharding-dump: warning: ") for w in warnings), warnings
+
+
+def test_verify_is_told_what_it_compiles_otherwise():
+    notes = maxtext_config.read_case(RUN, ["remat_policy=minimal"]).compiled_notes
+    assert any(n.startswith(f"{RUN.relative_to(Path.cwd()) if RUN.is_relative_to(Path.cwd()) else RUN}: attention: "
+                            f"'flash': verify compiles the zoo's step with attention='dot_product'") for n in notes), notes
+    assert any("remat_policy: 'minimal'" in n and "remat_policy='full'" in n for n in notes), notes
+    assert not any("sparse_matmul" in n for n in notes)  # a dense model has no token dispatch
+    moe = maxtext_config.read_case(BASE, ["model_name=mixtral-8x7b"], topology="v5p-16").compiled_notes
+    assert any("sparse_matmul: true: verify compiles the zoo's step with sparse_matmul=false" in n for n in moe), moe
+
+
+# --- every card is its MaxText model config --------------------------------------------------------
+
+@pytest.mark.parametrize("card", models.model_names())
+def test_every_card_composes_from_maxtexts_model_config(card):
+    """base.yml + models/<card>.yml, as MaxText composes them, is the card (every layout-relevant key
+    equal) under MaxText's base rules merged with the model config's."""
+    case = read(f"model_name={card}", config=BASE, topology="v5p-16")
+    assert case == Case.make(card, "v5p-16", "default")
+
+
+def test_a_card_that_drifts_from_maxtext_is_refused(tmp_path):
+    """The check bites: gemma-7b with the checkpoint's 256000-row vocabulary is not MaxText's gemma-7b."""
+    card = {**load_card("gemma-7b"), "name": "gemma-7b-published", "vocab_size": 256_000}
+    path = tmp_path / "gemma-7b-published.yml"
+    path.write_text(yaml.safe_dump(card))
+    resolve = lambda field, ref: str(path) if field == "model" else ref  # noqa: E731
+    with pytest.raises(BadInput, match=r"model config .*gemma-7b.yml: vocab_size: 256128: model card "
+                                       r"gemma-7b-published has vocab_size 256000"):
+        read("model_name=gemma-7b", config=BASE, topology="v5p-16", resolve=resolve)
+
+
+@pytest.mark.parametrize("case", [c for c in load_matrix() if c.model == "deepseek2-16b"], ids=lambda c: c.label)
+def test_maxtexts_reference_cases_are_the_matrix_cases(case):
+    """MaxText's own dump of deepseek2-16b names its cases by custom_mesh_and_rule and the command line;
+    composed from MaxText's configs, each is the matrix case of the same golden folder."""
+    command_line = [f"model_name={case.model}"] + [f"{k}={settings.format_value(v)}" for k, v in case.overrides]
+    if case.rule != "default":
+        command_line.append(f"custom_mesh_and_rule={case.rule}")
+    assert read(*command_line, config=BASE, topology=case.topology, num_slices=case.num_slices) == case
+
+
+def test_custom_rule_that_drifts_from_maxtexts_file_is_refused(tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIGS, configs)
+    text = (CONFIGS / "custom_mesh_and_rule" / "pure-fsdp.yml").read_text()
+    (configs / "custom_mesh_and_rule" / "pure-fsdp.yml").write_text(text.replace("- [embed, [fsdp]]", "- [embed, []]"))
+    monkeypatch.setenv("MAXTEXT_CONFIGS_DIR", str(configs))
+    with pytest.raises(BadInput, match=r"custom_mesh_and_rule/pure-fsdp.yml: logical_axis_rules: differs from rule "
+                                       r"'pure-fsdp' \(entry 8: \[embed, \[\]\] here, \[embed, \[fsdp\]\] in the rule\)"):
+        read("custom_mesh_and_rule=pure-fsdp", "model_name=llama2-7b", config=configs / "base.yml", topology="v5p-16")
+
+
+# --- composed as MaxText composes it ---------------------------------------------------------------
+
+def test_model_config_wins_over_the_run_file_as_in_maxtext(tmp_path):
+    run = run_file(tmp_path, f"base_config: {RUN}\nbase_num_decoder_layers: 4\n")
+    assert read(config=run).model == "llama2-7b"  # MaxText merges base, model config, then the command line
+
+
+def test_command_line_over_the_model_config_needs_override_model_config():
+    with pytest.raises(BadInput, match="base_num_decoder_layers: set by the model config .*llama2-7b.yml and by "
+                                       "the command line with different values; MaxText refuses this unless "
+                                       "override_model_config=true"):
+        read("base_num_decoder_layers=4")
+    with pytest.raises(BadInput, match="the command line: base_num_decoder_layers: 4: model card llama2-7b has "
+                                       "num_decoder_layers 32"):
+        read("base_num_decoder_layers=4", "override_model_config=true")
+
+
+def test_rules_merge_by_logical_name_and_a_change_is_refused():
+    with pytest.raises(BadInput, match=r"the command line: logical_axis_rules: differs from rule 'default' with model "
+                                       r"card qwen3-0.6b's rules \(entry \d+: .* --model qwen3-0.6b --rule FILE$"):
+        read("model_name=qwen3-0.6b", "logical_axis_rules=[[embed, []]]")
+    with pytest.raises(BadInput, match=r"entry 0: \[embed, \[\]\] here"):
+        read("model_name=qwen3-0.6b", "override_logical_axis_rules=true", "logical_axis_rules=[[embed, []]]")
+
+
+def test_settings_name_the_case_as_maxtexts_dumps_do():
+    """Honoured settings that differ from the default name the case, and so does any given on the
+    command line (MaxText's explicit keys), even at its default."""
+    assert read("ici_tensor_parallelism=2").name == "rule_default_ici_tensor_parallelism=2"
+    assert read("ici_fsdp_parallelism=-1").name == "rule_default_ici_fsdp_parallelism=-1"
+    assert read().name == "rule_default"  # the run file sets ici_fsdp_parallelism: -1, the default
+
+
+def test_environment_overrides_as_in_maxtext():
+    environ = {"M_PER_DEVICE_BATCH_SIZE": "4", "MAXTEXT_CONFIGS_DIR": str(CONFIGS)}
+    assert dict(read(environ=environ).overrides) == {"per_device_batch_size": 4}
+    with pytest.raises(BadInput, match="per_device_batch_size: set by the command line and by the environment "
+                                       "variable M_PER_DEVICE_BATCH_SIZE"):
+        read("per_device_batch_size=2", environ=environ)
+    with pytest.raises(BadInput, match="M_SCAN_LAYERS='maybe': not a bool"):
+        read(environ={"M_SCAN_LAYERS": "maybe", "MAXTEXT_CONFIGS_DIR": str(CONFIGS)})
+
+
+def test_base_config_next_to_the_file_comes_before_maxtexts(tmp_path):
+    (tmp_path / "base.yml").write_text(BASE.read_text().replace("dtype: bfloat16", "dtype: float16"))
+    run = run_file(tmp_path, "base_config: base.yml\nmodel_name: llama2-7b\n")
+    with pytest.raises(BadInput, match=f"{tmp_path / 'base.yml'}: dtype: 'float16' is not supported"):
+        read(config=run, topology="v5p-16")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("base_config: nowhere.yml\n", "field base_config: 'nowhere.yml' is not next to it nor in MaxText's configs folder"),
+    ("base_config: run.yml\n", "base_config chain loops back to it"),
+    ("- a\n- b\n", "holds a list, not a mapping of MaxText keys"),
+    ("base_config: base.yml\nmodel_name: llama2-7b\n", r"missing --topology \(or compile_topology in the MaxText config\)"),
+    ("base_config: base.yml\n", "model_name: 'default': MaxText's base model has no card"),
+    ("base_config: base.yml\nmodel_name: gemma9-4b\n", "model_name: unknown model 'gemma9-4b'"),
+    ("base_config: base.yml\nmodel_name: llama2-7b\ncompile_topology: 16\n", "compile_topology: 16 is not a topology name"),
+    ("base_config: base.yml\nmodel_name: llama2-7b\ncompile_topology: v9x-16\n", "unknown topology 'v9x-16'"),
+])
+def test_bad_configuration_is_one_line(tmp_path, text, message):
+    with pytest.raises(BadInput, match=message):
+        read(config=run_file(tmp_path, text))
+
+
+def test_instruct_model_and_topology_from_the_config():
+    assert read("model_name=llama3.1-8b-Instruct", config=BASE, topology="v5p-16").model == "llama3.1-8b"
+    assert read().topology == "v5p-16"
+    with pytest.raises(BadInput, match="--topology v5p-32: .*compile_topology is 'v5p-16'; give one or the same"):
+        read(topology="v5p-32")
+
+
+def test_cli_refuses_model_and_rule_beside_a_maxtext_config(tmp_path, capsys):
+    status = cli.main(["--maxtext-config", str(RUN), "--rule", "pure-fsdp", "--golden-dir", str(tmp_path / "g")])
+    assert status == 2 and "--maxtext-config names the model (model_name) and the rule" in capsys.readouterr().err
+
+
+def test_case_file_entry_with_a_maxtext_config(tmp_path):
+    cases = tmp_path / "cases.yml"
+    cases.write_text(f"cases:\n  - {{maxtext_config: {RUN}, overrides: {{ici_tensor_parallelism: 2, sa_block_q: 256}}}}\n")
+    assert load_matrix(cases) == [Case.make("llama2-7b", "v5p-16", "default",
+                                            overrides={"ici_tensor_parallelism": 2})]
+    cases.write_text(f"cases:\n  - {{maxtext_config: {RUN}, overrides: {{quantization: int8}}}}\n")
+    with pytest.raises(BadInput, match=r"case matrix .*cases.yml: field cases/0: overrides: quantization: 'int8' is not"):
+        load_matrix(cases)
+    cases.write_text(f"cases:\n  - {{maxtext_config: {RUN}, model: llama2-7b}}\n")
+    with pytest.raises(BadInput, match=r"field cases/0: maxtext_config names the model \(model_name\) and the rule"):
+        load_matrix(cases)
+
+
+def test_base_config_chain_is_bounded(tmp_path):
+    for index in range(maxtext_config.MAX_CHAIN + 1):
+        (tmp_path / f"c{index}.yml").write_text(f"base_config: c{index + 1}.yml\n")
+    (tmp_path / f"c{maxtext_config.MAX_CHAIN + 1}.yml").write_text("model_name: llama2-7b\n")
+    with pytest.raises(BadInput, match=f"more than {maxtext_config.MAX_CHAIN} files chained by base_config"):
+        maxtext_config.compose(tmp_path / "c0.yml")
