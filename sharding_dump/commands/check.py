@@ -74,12 +74,33 @@ def lint_settings() -> LintSettings:
     return LintSettings(float(data["replicated_tolerance"]), names)
 
 
+# Card fields that only size a tensor or change arithmetic: two cards of one block that differ in
+# nothing else carry the same logical axis names, so one of them is traced (57 cards, 16 blocks).
+SIZE_FIELDS = frozenset({
+    "name", "emb_dim", "num_query_heads", "num_kv_heads", "vocab_size", "mlp_dim", "head_dim", "moe_mlp_dim",
+    "normalization_layer_epsilon", "rope_max_timescale", "num_experts_per_tok", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "max_position_embeddings",
+    "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow", "mscale", "routed_scaling_factor",
+    "sliding_window_size", "local_rope_max_timescale", "global_rope_max_timescale", "num_decoder_layers",
+    "logical_axis_rules", "rope_type", "rope_interleave", "rope_truncate", "rope_attention_scaling",
+    "rope_linear_scaling_factor", "partial_rotary_factor", "global_rope_proportion", "local_rope_proportion",
+    "routed_score_func", "mlp_activations_limit", "attn_logits_soft_cap", "final_logits_soft_cap", "indexer_topk",
+    "nope_layer_interval", "mlp_activations"})
+
+
 @functools.cache
 def model_logical_axes() -> frozenset[str]:
-    """Every logical axis name on any leaf of any model card's training state."""
+    """Every logical axis name on any leaf of any model card's training state (one card traced per
+    block and set of non-size fields)."""
     names: set[str] = set()
+    seen = set()
     for model in models.model_names():
-        for _, _, logical in state.leaves(state.abstract_state(models.load_config(model))):
+        cfg = models.load_config(model)
+        kind = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in SIZE_FIELDS)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        for _, _, logical in state.leaves(state.abstract_state(cfg)):
             names.update(n for n in logical if n is not None)
     return frozenset(names)
 

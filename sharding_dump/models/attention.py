@@ -1,7 +1,7 @@
-"""Causal softmax attention for the MoE decoders: grouped heads, a value width of its own (MLA),
-an optional sliding window and optional per-head attention sinks (gpt-oss).
+"""Causal softmax attention: grouped heads, a value width of its own (MLA), an optional sliding
+window, optional per-head attention sinks (gpt-oss) and an optional logit soft cap (Gemma 2).
 
-`jax.nn.dot_product_attention` covers none of the last three, so the score matrix is written out.
+`jax.nn.dot_product_attention` covers none of these, so the score matrix is written out.
 
 >>> import jax.numpy as jnp
 >>> q = jnp.ones((1, 4, 8, 16)); k = jnp.ones((1, 4, 2, 16)); v = jnp.ones((1, 4, 2, 12))
@@ -26,20 +26,27 @@ MLA_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "ac
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scale: float,
-                     sliding_window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
+                     sliding_window: int = 0, sinks: jax.Array | None = None, soft_cap: float = 0.0,
+                     selected: jax.Array | None = None) -> jax.Array:
     """query (b, t, heads, d), key (b, s, kv_heads, d), value (b, s, kv_heads, dv) -> (b, t, heads, dv).
 
     `sliding_window` > 0 lets a position see only the last `sliding_window` positions; `sinks`
-    (heads,) adds one extra logit per head that takes probability mass but contributes no value."""
+    (heads,) adds one extra logit per head that takes probability mass but contributes no value;
+    `soft_cap` > 0 bounds the logits smoothly to (-soft_cap, soft_cap) (Gemma 2); `selected` (b, t, s)
+    lets query t see only the keys chosen for it (DeepSeek's sparse attention indexer)."""
     batch, length, heads, _ = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
     q = query.reshape(batch, length, kv_heads, group, query.shape[-1])
     logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32) * scale
+    if soft_cap:
+        logits = jnp.tanh(logits / soft_cap) * soft_cap
     positions = jnp.arange(length)
     visible = positions[None, :] <= positions[:, None]
     if sliding_window:
         visible &= positions[None, :] > positions[:, None] - sliding_window
+    if selected is not None:
+        visible = visible & selected[:, None, None]
     logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, group, 1, 1),

@@ -18,93 +18,65 @@ A model reference is a card name (shipped, or registered by an installed package
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.metadata
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sharding_dump.errors import BadInput
-from sharding_dump.resources import DATA_DIR, MODELS_DIR, load_yaml, validate
+from sharding_dump.resources import DATA_DIR, MODELS_DIR, SCHEMAS_DIR, load_yaml, validate
 
-if TYPE_CHECKING:
-    from sharding_dump.models.pipeline import PipelineConfig
+CARD_SCHEMA = SCHEMAS_DIR / "model-card.schema.json"
+_PYTHON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": tuple}
+# What the model is built in, set by the run (the `weight_dtype` setting), not by the card.
+NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"))
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Everything a decoder needs to build its parameters and trace a step."""
+def frozen(value: Any) -> Any:
+    """A card value as ModelConfig holds it: lists become tuples, so configs hash and compare.
 
-    name: str
-    decoder_block: str
+    >>> frozen([["embed", ["fsdp", "expert"]]])
+    (('embed', ('fsdp', 'expert')),)
+    """
+    return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+
+
+class _Derived:
+    """What ModelConfig computes from its fields."""
+
     emb_dim: int
     num_query_heads: int
-    num_kv_heads: int
-    num_decoder_layers: int
-    vocab_size: int
-    mlp_dim: int
-    head_dim: int | None = None  # None: emb_dim // num_query_heads
-    mlp_activations: tuple[str, ...] = ("silu", "linear")
-    logits_via_embedding: bool = False
-    use_qk_norm: bool = False
-    normalization_layer_epsilon: float = 1e-6
-    rope_max_timescale: int = 10_000
-    # Rotary variant: "default" (plain RoPE) or "yarn" (YaRN frequency interpolation for long context).
-    rope_type: str = "default"
-    max_position_embeddings: int = 0
-    original_max_position_embeddings: int = 0
-    rope_factor: float = 1.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    rope_interleave: bool = False  # rotate (even, odd) pairs instead of (first half, second half)
-    rope_truncate: bool = True  # round YaRN's correction range to whole dimensions
-    rope_attention_scaling: bool = False  # scale cos/sin by YaRN's attention factor
-    # Multi-head latent attention (DeepSeek): low-rank query (q_lora_rank 0: full query) and key/value.
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    # Mixture of experts: the first `first_num_dense_layers` layers are dense, the rest route each token
-    # to `num_experts_per_tok` of `num_experts` experts (width moe_mlp_dim) plus `shared_experts` always-on ones.
-    first_num_dense_layers: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_mlp_dim: int = 0
-    shared_experts: int = 0
-    routed_score_func: str = "none"  # softmax | sigmoid | none (raw logits, softmax over the chosen k)
-    routed_scaling_factor: float = 1.0
-    routed_bias: bool = False  # learned per-expert bias on the router
-    mlp_bias: bool = False  # biases on the routed experts' projections
-    mlp_activations_limit: float = 0.0  # > 0: clamp the gated unit's inputs (gpt-oss)
-    # Attention extras (gpt-oss).
-    attention_bias: bool = False
-    attention_sink: bool = False  # a learned per-head logit that absorbs attention mass
-    sliding_window_size: int = 0
-    inhomogeneous_layer_cycle_interval: int = 1  # layers per scanned block (local, global, ...)
-    # A card's own logical axis rules, merged over the rule file's (see rules.with_overrides).
-    logical_axis_rules: tuple[tuple[str, Any], ...] = ()
-    # Run settings, not from the card.
-    weight_dtype: str = "float32"
-    dtype: str = "bfloat16"
-    pipeline: PipelineConfig | None = None  # pipeline parallelism over `stage` (models/pipeline.py)
+    head_dim: int | None
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.emb_dim // self.num_query_heads
 
-    @property
-    def num_moe_layers(self) -> int:
-        """Layers after the leading dense ones (every layer of a dense model)."""
-        return self.num_decoder_layers - self.first_num_dense_layers
 
-    @property
-    def pipelined_stack_layers(self) -> int:
-        """Length of the layer stack a pipeline cuts into stages (the MoE stack of a model with leading
-        dense layers; scanned blocks, not layers, for models that cycle layer kinds)."""
-        return self.num_moe_layers // self.inhomogeneous_layer_cycle_interval
+def _config_class() -> type:
+    """ModelConfig, built from the card schema (the one declaration of every card field: type, bounds,
+    default, meaning), plus the numerics the run sets. Required fields come first, as a dataclass
+    needs; `description` is documentation and not kept."""
+    schema = json.loads(CARD_SCHEMA.read_text(encoding="utf-8"))
+    required, optional = [], []
+    for name, prop in schema["properties"].items():
+        if name == "description":
+            continue
+        kind = _PYTHON_TYPES.get(prop.get("type"), int if "$ref" in prop else str)
+        if name in schema["required"]:
+            required.append((name, kind))
+        else:
+            optional.append((name, kind, dataclasses.field(default=frozen(prop.get("default")))))
+    optional += [(name, kind, dataclasses.field(default=default)) for name, kind, default in NUMERICS]
+    doc = "A model card's hyperparameters (data/schemas/model-card.schema.json) and its numerics."
+    return dataclasses.make_dataclass("ModelConfig", required + optional, bases=(_Derived,), frozen=True,
+                                      namespace={"__doc__": doc, "__module__": __name__})
+
+
+ModelConfig = _config_class()
 
 
 BLOCKS_FILE = DATA_DIR / "blocks.yml"
@@ -134,6 +106,12 @@ def _shipped_blocks() -> tuple[frozenset[str], dict[str, Block]]:
     blocks = {name: Block(name, spec["module"], frozenset(spec["fields"]), tuple(spec.get("required", ())),
                           tuple((a, b) for a, b in spec.get("equal", ())))
               for name, spec in data["blocks"].items()}
+    known = {f.name for f in dataclasses.fields(ModelConfig)} | {"description"}
+    for block in blocks.values():
+        named = block.fields | set(block.required) | {f for pair in block.equal for f in pair}
+        for field in sorted(named - known):
+            raise BadInput(f"decoder blocks {BLOCKS_FILE}: block {block.name}: {field!r} is no model-card field "
+                           f"(data/schemas/model-card.schema.json declares them)")
     return frozenset(data["common"]), blocks
 
 
@@ -231,8 +209,10 @@ def resolve_model(ref: str) -> tuple[str, Path]:
     if not is_card_path(ref):
         cards = card_files()
         if ref not in cards:
-            raise BadInput(f"unknown model {ref!r}: valid models are {', '.join(sorted(cards))}, "
-                           f"or a path to a card file ending .yml/.yaml")
+            close = difflib.get_close_matches(ref, sorted(cards), n=3, cutoff=0.5)
+            hint = f" (closest: {', '.join(close)})" if close else ""
+            raise BadInput(f"unknown model {ref!r}: valid models are the {len(cards)} cards `sharding-dump list "
+                           f"models` prints{hint}, or a path to a card file ending .yml/.yaml")
         return ref, cards[ref]
     path = Path(ref)
     name = load_card(ref)["name"]
@@ -284,8 +264,7 @@ def _default(field: str) -> Any:
 
 def _same(value: Any, default: Any) -> bool:
     """A card value equal to the ModelConfig default (lists as tuples; True is not 1)."""
-    if isinstance(default, tuple) and isinstance(value, list):
-        value = tuple(value)
+    value = frozen(value)
     return value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
@@ -343,12 +322,6 @@ def check_card_consistency(card: dict[str, Any], where: str) -> None:
 
 def load_config(ref: str, **run_settings: Any) -> ModelConfig:
     """The ModelConfig of a card (by name or path), with run settings (e.g. weight_dtype) applied."""
-    data = dict(load_card(ref))
-    if "mlp_activations" in data:
-        data["mlp_activations"] = tuple(data["mlp_activations"])
-    if "logical_axis_rules" in data:
-        data["logical_axis_rules"] = tuple(
-            (n, tuple(a) if isinstance(a, list) else a) for n, a in data["logical_axis_rules"])
-    data.pop("description", None)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**data, **{k: v for k, v in run_settings.items() if k in fields})
+    data = {field: frozen(value) for field, value in load_card(ref).items() if field != "description"}
+    numerics = {name: run_settings[name] for name, _, _ in NUMERICS if name in run_settings}
+    return ModelConfig(**data, **numerics)

@@ -22,6 +22,8 @@ Parameter tree (L = the stack's layer axis, `dense_layers` or `moe_layers`, at p
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,12 +31,11 @@ import jax.numpy as jnp
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import MLA_INPUT, MLA_OUT, MLA_QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.decoder import DecoderLM, Stack
 from sharding_dump.models.dense import MlpBlock
-from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, scan_layers
-from sharding_dump.models.pipeline import apply_layer_stack, stage_as_data
-from sharding_dump.models.moe import RoutedExperts
+from sharding_dump.models.layers import BLE, Dense, RMSNorm
+from sharding_dump.models.moe import RoutedAndSharedExperts
 from sharding_dump.models.rope import apply_rotary, yarn_mscale
-
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -45,6 +46,43 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's sparse attention indexer: per query, the `indexer_topk` keys that a light
+    multi-head scorer (ReLU of query . key, weighted per head) ranks highest; the main attention sees
+    only those. Its inputs are cut from the gradient, as in MaxText (it learns from its own loss).
+    The key norm is a LayerNorm whose scale and bias carry no logical axes, as MaxText's."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, low_rank_query: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        heads, dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        x, low_rank_query = jax.lax.stop_gradient(x), jax.lax.stop_gradient(low_rank_query)
+        q = Dense(cfg, (heads, dim), ("q_lora",), ("q_heads", "kv"), name="wq_b")(low_rank_query)
+        k = Dense(cfg, (dim,), ("embed",), ("kv",), name="wk")(x)
+        k = nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.dtype(cfg.weight_dtype), name="k_norm")(k)
+        plain = dataclasses.replace(cfg, rope_interleave=False)  # the indexer rotates half-split pairs
+        q = partial_rotary(q, positions, plain)
+        k = partial_rotary(k[:, :, None, :], positions, plain)[:, :, 0, :]
+        fp32 = dataclasses.replace(cfg, dtype="float32", weight_dtype="float32")  # as MaxText: never low precision
+        weights = Dense(fp32, (heads,), ("embed",), ("q_heads",), name="weights_proj")(x) * heads**-0.5 * dim**-0.5
+        logits = jax.nn.relu(jnp.einsum("bthd,bsd->btsh", q, k.astype(q.dtype)))
+        score = jnp.einsum("btsh,bth->bts", logits.astype(jnp.float32), weights)
+        length = score.shape[-1]
+        causal = jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]
+        score = jnp.where(causal, score, -jnp.inf)
+        topk = min(cfg.indexer_topk, length)
+        threshold = jax.lax.top_k(score, topk)[0][..., -1:]
+        return (score >= threshold) & causal
+
+
+def partial_rotary(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RoPE on the first `qk_rope_head_dim` dims of each head, the rest left as is (the indexer's split)."""
+    rope, rest = jnp.split(x, [cfg.qk_rope_head_dim], axis=-1)
+    return jnp.concatenate([apply_rotary(rope, positions, cfg), rest], axis=-1)
+
+
 class MultiHeadLatentAttention(nn.Module):
     """MLA: keys and values come from one shared low-rank latent (kv_lora_rank) plus a single rotary
     key head; queries are full-rank or low-rank (q_lora_rank). Heads split into a position-free
@@ -52,8 +90,10 @@ class MultiHeadLatentAttention(nn.Module):
 
     cfg: ModelConfig
 
-    def project_query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def project_query(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The scaled query and, for a low-rank query, its normed latent (the indexer reads it)."""
         cfg = self.cfg
+        low = None
         head = (cfg.num_query_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         if cfg.q_lora_rank:
             low = Dense(cfg, (cfg.q_lora_rank,), ("embed",), ("q_lora_up_proj",), name="wq_a")(x)
@@ -64,7 +104,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
         q_nope = constrain(q_nope, MLA_QKV, "q_nope")
         q_pe = constrain(apply_rotary(q_pe, positions, cfg), MLA_QKV, "q_pe")
-        return constrain(jnp.concatenate([q_nope, q_pe], axis=-1) * softmax_scale(self.cfg), MLA_QKV, "query")
+        query = jnp.concatenate([q_nope, q_pe], axis=-1) * softmax_scale(self.cfg)
+        return constrain(query, MLA_QKV, "query"), low
 
     def project_key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
@@ -86,25 +127,14 @@ class MultiHeadLatentAttention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         inputs_q = constrain(x, MLA_INPUT, "inputs_q")
         inputs_kv = constrain(x, MLA_INPUT, "inputs_kv")
-        query = self.project_query(inputs_q, positions)
+        query, low_rank_query = self.project_query(inputs_q, positions)
         key, value = self.project_key_value(inputs_kv, positions)
-        out = causal_attention(query, key, value, scale=1.0)  # the query already carries the scale
+        selected = None
+        if self.cfg.use_indexer:
+            selected = Indexer(self.cfg, name="indexer")(inputs_q, low_rank_query, positions)
+        out = causal_attention(query, key, value, scale=1.0, selected=selected)  # the query carries the scale
         out = constrain(out, MLA_OUT, "out")
         return Dense(self.cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
-
-
-class RoutedAndSharedExperts(nn.Module):
-    """DeepSeek's MoE feed-forward: routed experts plus always-on shared experts."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        out = RoutedExperts(cfg, gate_embed_axis="embed_moe", name="MoeBlock_0")(x)
-        if cfg.shared_experts:
-            out = out + MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(x)
-        return out
 
 
 class DeepSeekLayer(nn.Module):
@@ -132,32 +162,14 @@ class DeepSeekMoeLayer(DeepSeekLayer):
     moe: bool = True
 
 
-class DeepSeekDecoder(nn.Module):
-    """Dense stack, MoE stack, final norm, untied output projection."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        if cfg.first_num_dense_layers:
-            dense = scan_layers(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers")(cfg, name="dense_layers")
-            if cfg.pipeline is None:
-                x, _ = dense(x, positions)
-            else:
-                # As in MaxText, the dense layers are not pipelined: `stage` splits their batch like data.
-                with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-                    x, _ = dense(x, positions)
-        # The MoE stack is the one a pipeline cuts into stages (cfg.pipelined_stack_layers); MoE layers it
-        # leaves out run before it, after the dense ones.
-        x = apply_layer_stack(cfg, DeepSeekMoeLayer, cfg.num_moe_layers, x, positions, name="moe_layers",
-                              layer_axis="moe_layers", outside_first=True)
-        return output_logits(cfg, x)
-
-
 class DeepSeekDecoderLM(DecoderLM):
-    """Token ids (batch, length) -> logits (batch, length, vocab)."""
+    """Token ids (batch, length) -> logits (batch, length, vocab): the dense stack, then the MoE stack,
+    which is the one a pipeline cuts (MoE layers it leaves out run before it, after the dense ones)."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return DeepSeekDecoder(self.cfg)
-
+    @classmethod
+    def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
+        moe = Stack(DeepSeekMoeLayer, cfg.num_decoder_layers - cfg.first_num_dense_layers, "moe_layers",
+                    pipelined=True, outside_first=True)
+        if not cfg.first_num_dense_layers:
+            return (moe,)
+        return (Stack(DeepSeekLayer, cfg.first_num_dense_layers, "dense_layers"), moe)

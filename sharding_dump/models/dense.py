@@ -1,4 +1,5 @@
-"""Dense decoder-only transformers (llama2, qwen3): attention + gated MLP blocks, stacked by scan.
+"""Dense decoder-only transformers (MaxText's llama2, mistral, qwen2 and qwen3 blocks): attention +
+gated MLP blocks, stacked by scan.
 
 Parameter tree (what the goldens see)::
 
@@ -7,6 +8,7 @@ Parameter tree (what the goldens see)::
     decoder/layers/self_attention/{key,value}/kernel  (embed, layers, kv_heads, kv_head_dim)
     decoder/layers/self_attention/out/kernel      (heads, layers, kv, embed)
     decoder/layers/self_attention/{query,key}_norm/scale  (norm, layers)      [use_qk_norm]
+    decoder/layers/self_attention/{query,key,value}/bias  (q_heads|kv_heads, layers, kv|kv_head_dim)  [attention_bias]
     decoder/layers/mlp/{wi_0,wi_1}/kernel         (embed, layers, mlp)
     decoder/layers/mlp/wo/kernel                  (mlp, layers, embed)
     decoder/layers/{pre,post}_self_attention_layer_norm/scale  (norm, layers)
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
-from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV
+from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, activation, apply_rope, output_logits
-from sharding_dump.models.pipeline import apply_layer_stack
-
+from sharding_dump.models.decoder import DecoderLM
+from sharding_dump.models.layers import BLE, Dense, RMSNorm, activation
+from sharding_dump.models.rope import apply_rotary
 
 
 class MlpBlock(nn.Module):
@@ -52,10 +55,31 @@ class MlpBlock(nn.Module):
         return Dense(self.cfg, (x.shape[-1],), (self.mlp_axis,), (self.embed_axis,), name="wo")(hidden)
 
 
+def qk_normed(cfg: ModelConfig, x: jax.Array, name: str, over_heads: bool = False) -> jax.Array:
+    """x (batch, length, heads, dim) RMS-normed per head, or over all heads at once (`over_heads`).
+    Call it from a module's compact `__call__`: the norm is created there as `name`."""
+    if not over_heads:
+        return RMSNorm(cfg, name=name)(x)
+    return RMSNorm(cfg, name=name)(x.reshape(x.shape[:-2] + (-1,))).reshape(x.shape)
+
+
+def l2_normed(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x divided by the root mean square of its last dim (no learned scale)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.normalization_layer_epsilon)
+            ).astype(x.dtype)
+
+
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary positions (and optional q/k RMS norms)."""
+    """Grouped-query causal self-attention with rotary positions (and optional q/k RMS norms, logit
+    soft cap, and a sliding window of `sliding_window` positions when > 0)."""
 
     cfg: ModelConfig
+    sliding_window: int = 0
+    qk_norm: bool | None = None  # None: the card's use_qk_norm (Gemma 3's layer always norms them)
+    global_qk_norm: bool = False  # norm over all heads at once, not per head (OLMo 3)
+    use_rope: bool = True  # False: no position embedding at all (Llama 4's NoPE layers)
+    qk_l2_norm: bool = False  # L2-normalise queries and keys after RoPE, no parameters (Llama 4)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -63,18 +87,32 @@ class Attention(nn.Module):
         head_dim = cfg.resolved_head_dim
         x_q = constrain(x, ATTENTION_INPUT, "inputs_q")
         x_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
-        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), name="query")(x_q)
-        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
-        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
-        if cfg.use_qk_norm:
-            q = RMSNorm(cfg, name="query_norm")(q)
-            k = RMSNorm(cfg, name="key_norm")(k)
-        q = apply_rope(q, positions, cfg.rope_max_timescale)
-        k = apply_rope(k, positions, cfg.rope_max_timescale)
+        bias = cfg.attention_bias  # on the query, key and value projections only, as MaxText's Qwen2
+        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), bias, name="query")(x_q)
+        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), bias, name="key")(x_kv)
+        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), bias,
+                  name="value")(x_kv)
+        if cfg.use_qk_norm if self.qk_norm is None else self.qk_norm:
+            q = qk_normed(self.cfg, q, "query_norm", self.global_qk_norm)
+            k = qk_normed(self.cfg, k, "key_norm", self.global_qk_norm)
+        # Local (sliding-window) layers rotate with their own base when the card gives one, and are
+        # not stretched by the linear scaling of the global ones (MaxText's Gemma 3).
+        local = self.sliding_window and cfg.local_rope_max_timescale
+        timescale = cfg.local_rope_max_timescale if local else None
+        scaling = 1.0 if self.sliding_window else cfg.rope_linear_scaling_factor
+        if self.use_rope:
+            q = apply_rotary(q, positions, cfg, timescale, scaling)
+            k = apply_rotary(k, positions, cfg, timescale, scaling)
+            if self.qk_l2_norm:
+                q, k = l2_normed(q, cfg), l2_normed(k, cfg)
         q = constrain(q, QKV, "query")
         k = constrain(k, QKV, "key")
         v = constrain(v, QKV, "value")
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        if self.sliding_window or cfg.attn_logits_soft_cap:
+            out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window,
+                                   soft_cap=cfg.attn_logits_soft_cap)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
         out = constrain(out, ATTENTION_OUT, "attention_out")
         return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
 
@@ -95,22 +133,7 @@ class DecoderLayer(nn.Module):
         return constrain(x + h, BLE, "layer_output"), None
 
 
-class Decoder(nn.Module):
-    """The layer stack (scanned or pipelined), final norm and output projection."""
-
-    cfg: ModelConfig
-    shared_embedding: Embed | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        x = apply_layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers, x, positions, name="layers")
-        return output_logits(cfg, x, self.shared_embedding)
-
-
 class DenseDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return Decoder(self.cfg, shared_embedding=shared)
-
+    layer = DecoderLayer

@@ -18,10 +18,9 @@ import jax
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.decoder import DecoderLM
 from sharding_dump.models.dense import Attention, MlpBlock
-from sharding_dump.models.layers import BLE, DecoderLM, Embed, RMSNorm, output_logits
-from sharding_dump.models.pipeline import apply_layer_stack
-
+from sharding_dump.models.layers import BLE, RMSNorm
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -41,21 +40,7 @@ class GemmaDecoderLayer(nn.Module):
         return constrain(x + h, BLE, "layer_output"), None
 
 
-class GemmaDecoder(nn.Module):
-    """The layer stack (scanned or pipelined), final norm and output projection."""
-
-    cfg: ModelConfig
-    shared_embedding: Embed | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = apply_layer_stack(self.cfg, GemmaDecoderLayer, self.cfg.num_decoder_layers, x, positions, name="layers")
-        return output_logits(self.cfg, x, self.shared_embedding)
-
-
 class GemmaDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return GemmaDecoder(self.cfg, shared_embedding=shared)
-
+    layer = GemmaDecoderLayer

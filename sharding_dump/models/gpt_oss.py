@@ -21,11 +21,10 @@ import jax
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import BLE, DecoderLM, Dense, Embed, RMSNorm, output_logits, weight_param
-from sharding_dump.models.pipeline import apply_layer_stack
+from sharding_dump.models.decoder import DecoderLM, LayerCycle
+from sharding_dump.models.layers import BLE, Dense, RMSNorm, weight_param
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
-
 
 
 class GptOssAttention(nn.Module):
@@ -74,35 +73,16 @@ class GptOssLayer(nn.Module):
         return constrain(x + h, BLE, "x")
 
 
-class GptOssBlock(nn.Module):
+class GptOssBlock(LayerCycle):
     """One scanned unit: `inhomogeneous_layer_cycle_interval` layers, sliding-window then global."""
 
-    cfg: ModelConfig
+    layer = GptOssLayer
 
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        cfg = self.cfg
-        for index in range(cfg.inhomogeneous_layer_cycle_interval):
-            window = cfg.sliding_window_size if index % 2 == 0 else 0
-            x = GptOssLayer(cfg, window, name=f"layers_{index}")(x, positions)
-        return x, None
-
-
-class GptOssDecoder(nn.Module):
-    """The scanned blocks, final norm, untied output projection."""
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        x = apply_layer_stack(cfg, GptOssBlock, cfg.pipelined_stack_layers, x, positions, name="layers")
-        return output_logits(cfg, x)
+    def options(self, index: int) -> dict[str, int]:
+        return {"sliding_window": self.cfg.sliding_window_size if index % 2 == 0 else 0}
 
 
 class GptOssDecoderLM(DecoderLM):
-    """Token ids (batch, length) -> logits (batch, length, vocab)."""
+    """Token ids (batch, length) -> logits (batch, length, vocab); the untied output projection."""
 
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return GptOssDecoder(self.cfg)
-
+    layer = GptOssBlock

@@ -1,4 +1,4 @@
-"""Building blocks shared by every decoder: kernels with logical axes, norms, embeddings, RoPE.
+"""Building blocks shared by every decoder: kernels with logical axes, norms, embeddings, scans.
 
 Kernels are declared with `self.param` and applied with `jnp.einsum`/`tensordot` (flax's
 multi-dimensional DenseGeneral with logical partitioning trips a rank check under a mesh). Weights
@@ -83,18 +83,6 @@ class Embed(nn.Module):
         return jnp.einsum("bse,ve->bsv", x.astype(dtype), self.embedding.astype(dtype))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, max_timescale: float) -> jax.Array:
-    """Rotary position embedding over the last dim of x (batch, length, heads, dim)."""
-    half = x.shape[-1] // 2
-    fraction = jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1]
-    inv_freq = 1.0 / (max_timescale ** fraction)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (b, s, half)
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
 def activation(name: str, x: jax.Array) -> jax.Array:
     """The named MLP activation ('linear' is the identity)."""
     if name == "linear":
@@ -124,24 +112,7 @@ def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | Non
         logits = shared_embedding.attend(x)
     else:
         logits = Dense(cfg, (cfg.vocab_size,), ("embed_vocab",), ("vocab",), name="logits_dense")(x)
+    if cfg.final_logits_soft_cap:
+        logits = jnp.tanh(logits / cfg.final_logits_soft_cap) * cfg.final_logits_soft_cap
     return constrain(logits, ("activation_embed_and_logits_batch", "activation_length", "activation_vocab"),
                      "logits")
-
-
-class DecoderLM(nn.Module):
-    """Token ids (batch, length) -> logits (batch, length, vocab): the token embedder, then a family's
-    decoder (its layer stack, final norm and output projection). A family names its decoder in
-    :meth:`make_decoder`; `shared` is the embedder when the card ties the output to it."""
-
-    cfg: ModelConfig
-
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must build its decoder")
-
-    def setup(self) -> None:
-        self.token_embedder = Embed(self.cfg)
-        self.decoder = self.make_decoder(self.token_embedder if self.cfg.logits_via_embedding else None)
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
-        return self.decoder(x, positions)

@@ -23,11 +23,10 @@ import jax
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.decoder import DecoderLM
 from sharding_dump.models.dense import Attention
-from sharding_dump.models.layers import BLE, DecoderLM, Embed, RMSNorm, output_logits
+from sharding_dump.models.layers import BLE, RMSNorm
 from sharding_dump.models.moe import RoutedExperts
-from sharding_dump.models.pipeline import apply_layer_stack
-
 
 
 class MixtralDecoderLayer(nn.Module):
@@ -48,24 +47,7 @@ class MixtralDecoderLayer(nn.Module):
         return constrain(x + h, BLE, "layer_output"), None
 
 
-class MixtralDecoder(nn.Module):
-    """The layer stack (scanned or pipelined), final norm and output projection."""
-
-    cfg: ModelConfig
-    layer: type[nn.Module]
-    shared_embedding: Embed | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = apply_layer_stack(self.cfg, self.layer, self.cfg.num_decoder_layers, x, positions, name="layers")
-        return output_logits(self.cfg, x, self.shared_embedding)
-
-
 class MixtralDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    layer: ClassVar[type[nn.Module]] = MixtralDecoderLayer
-
-    def make_decoder(self, shared: Embed | None) -> nn.Module:
-        return MixtralDecoder(self.cfg, self.layer, shared_embedding=shared)
-
+    layer = MixtralDecoderLayer

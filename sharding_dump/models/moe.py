@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.dense import MlpBlock
 from sharding_dump.models.layers import activation, weight_param
 
 ROUTER_AXES = ("activation_batch", "activation_norm_length", None)
@@ -94,16 +95,21 @@ class RoutedExperts(nn.Module):
 
     cfg: ModelConfig
     gate_embed_axis: str = "embed"
+    expert_scale: bool = False  # a learned output scale per expert (Gemma 4's per_expert_scale)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, gate_inputs: jax.Array | None = None) -> jax.Array:
+        """x routed by the router's reading of `gate_inputs` (default x)."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         experts, embed, width = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
         x = constrain(x, ROUTER_AXES, "inputs")
-        logits, bias = Router(cfg, self.gate_embed_axis, name="gate")(x)
+        logits, bias = Router(cfg, self.gate_embed_axis, name="gate")(x if gate_inputs is None else gate_inputs)
         logits = constrain(logits.astype(dtype), ROUTER_AXES, "gate_logits")
         weights, indices = route(cfg, logits, bias)
+        if self.expert_scale:
+            scale = weight_param(self, "per_expert_scale", (experts,), ("exp",), cfg, nn.initializers.ones)
+            weights = weights * jnp.take(scale.astype(jnp.float32), indices)
         combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, experts, dtype=jnp.float32), weights)
 
         wi_axes, wo_axes = ("exp", "embed_moe", "mlp_moe"), ("exp", "mlp_moe", "embed_moe")
@@ -124,4 +130,18 @@ class RoutedExperts(nn.Module):
             wo_bias = weight_param(self, "wo_bias", (experts, embed), ("exp", "activation_embed"), cfg,
                                    nn.initializers.zeros)
             out = out + jnp.einsum("bse,ed->bsd", combine, wo_bias).astype(dtype)
+        return out
+
+
+class RoutedAndSharedExperts(nn.Module):
+    """Routed experts plus always-on shared experts (DeepSeek, Llama 4): MaxText's RoutedAndSharedMoE."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        out = RoutedExperts(cfg, gate_embed_axis="embed_moe", name="MoeBlock_0")(x)
+        if cfg.shared_experts:
+            out = out + MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(x)
         return out

@@ -34,14 +34,15 @@ Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
   `state_io` moves one stage back the same way, the last stage's output entering at the end.
 
 All stage buffers are constrained with `activation_stage` at axis 0. As in MaxText, a pipelined run
-puts `stage` first in the `activation_embed_and_logits_batch` rule (:func:`pipeline_rules`).
+puts `stage` first in the `activation_embed_and_logits_batch` rule (`zoo.pipeline_plan.pipeline_rules`, which
+also plans the schedule from the settings).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -49,33 +50,21 @@ import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from sharding_dump.core import capture as activations
-from sharding_dump.zoo import rules as rules_mod
-from sharding_dump.zoo import settings as settings_mod
-from sharding_dump.core.capture import constrain
-from sharding_dump.errors import BadInput
+from sharding_dump.core.capture import constrain, module_prefix
+from sharding_dump.core.specs import entry_axes
+from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.layers import scan_layers
-
-if TYPE_CHECKING:
-    from sharding_dump.zoo.mesh import MeshPlan
-    from sharding_dump.models.config import ModelConfig
 
 STAGE_AXIS = "stage"  # the mesh axis
 STAGE_LOGICAL = "layers"  # the logical name of a weight's stage dimension
 REPEAT_LOGICAL = "circular_repeats"
 LAYERS_PER_STAGE_LOGICAL = "layers_per_stage"
 OUTSIDE_LOGICAL = "layers_outside_pipeline"  # layer axis of the layers a pipeline leaves out (no rule: unsharded)
+Rules = tuple[tuple[str, Any], ...]  # logical axis rules, as flax holds them
 STAGE_BUFFER_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
-# Pipeline settings and their defaults (data/settings.yml): a run without a pipeline must leave them so.
-PIPELINE_SETTINGS = {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1, "pipeline_parallel_layers": -1,
-                     "num_layers_per_pipeline_stage": 1, "scan_layers_per_stage": False}
-# MaxText's pipelined runs split the embedding and logits batch over these axes, `stage` first.
-PIPELINE_LOGITS_BATCH = ("activation_embed_and_logits_batch", ("stage", "data", "fsdp", "fsdp_transpose", "expert"))
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """A validated pipeline schedule (build it with :func:`plan_pipeline`)."""
+    """A validated pipeline schedule (the zoo builds it: `zoo.pipeline_plan.plan_pipeline`)."""
 
     num_stages: int
     num_microbatches: int
@@ -98,91 +87,13 @@ class PipelineConfig:
         """With more microbatches than stages, a microbatch waits between repeats in a buffer."""
         return self.num_repeats > 1 and self.num_microbatches > self.num_stages
 
-    def check_batch(self, global_batch: int) -> None:
-        """BadInput unless the batch splits into the microbatches."""
-        if global_batch % self.num_microbatches:
-            raise BadInput(f"num_pipeline_microbatches={self.num_microbatches}: does not divide the global batch "
-                           f"of {global_batch}")
 
-
-def plan_pipeline(values: Mapping[str, Any], plan: "MeshPlan", rule_set: rules_mod.RuleSet,
-                  num_layers: int) -> PipelineConfig | None:
-    """The pipeline of a case (None when the `stage` axis is 1), or BadInput naming the setting at fault.
-
-    `num_layers` is the length of the stack the decoder pipelines (all of a dense model's layers, the
-    MoE layers of a model with leading dense ones). Defaults and the consistency rule are MaxText's:
-    repeats = pipeline_parallel_layers / (stages x num_layers_per_pipeline_stage) when -1, and
-    stages x repeats x num_layers_per_pipeline_stage = pipeline_parallel_layers."""
-    stages = plan.sizes.get(STAGE_AXIS, 1)
-    if stages == 1:
-        given = [f"{key}={settings_mod.format_value(values[key])}" for key, default in PIPELINE_SETTINGS.items()
-                 if values[key] != default]
-        if given:
-            where = ("the 'stage' mesh axis is 1" if STAGE_AXIS in plan.axis_names
-                     else f"rule '{rule_set.name}' has no 'stage' mesh axis (mesh_axes: {', '.join(plan.axis_names)})")
-            raise BadInput(f"{given[0]}: needs a pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism > 1), "
-                           f"but {where}")
-        return None
-    for logical in (STAGE_LOGICAL, "activation_stage"):
-        spec = rules_mod.to_mesh_axes((logical,), rule_set.logical_axis_rules)
-        if spec[0] not in (STAGE_AXIS, (STAGE_AXIS,)):
-            raise BadInput(f"rule '{rule_set.name}': a pipeline needs logical axis '{logical}' on mesh axis 'stage' "
-                           f"(got {spec[0]!r})")
-    micro, repeats, layers, per_stage = (int(values[key]) for key in list(PIPELINE_SETTINGS)[:4])
-    if micro == -1:
-        micro = stages
-    if micro < 1 or micro % stages:
-        raise BadInput(f"num_pipeline_microbatches={micro}: must be a multiple of the {stages} pipeline stages")
-    if layers == -1:
-        layers = num_layers
-    if not 1 <= layers <= num_layers:
-        raise BadInput(f"pipeline_parallel_layers={layers}: must be -1 (all) or between 1 and the "
-                       f"{num_layers} layers the pipeline can take")
-    if repeats == -1:
-        repeats, remainder = divmod(layers, stages * per_stage)
-        if remainder or not repeats:
-            raise BadInput(f"num_layers_per_pipeline_stage={per_stage} x {stages} stages = {stages * per_stage} "
-                           f"must divide pipeline_parallel_layers ({layers}; -1 means the {num_layers} layers the "
-                           f"pipeline can take)")
-    if stages * repeats * per_stage != layers:
-        raise BadInput(f"num_pipeline_repeats={repeats}: stages x repeats x num_layers_per_pipeline_stage = "
-                       f"{stages} x {repeats} x {per_stage} = {stages * repeats * per_stage} must equal "
-                       f"pipeline_parallel_layers ({layers}; -1 means the {num_layers} layers the pipeline can take)")
-    return PipelineConfig(stages, micro, repeats, layers, per_stage, bool(values["scan_layers_per_stage"]))
-
-
-def pipeline_rules(rule_set: rules_mod.RuleSet) -> rules_mod.RuleSet:
-    """The rules of a pipelined run: MaxText puts `stage` first in every `activation_embed_and_logits_batch`
-    rule (axes this mesh lacks left out), so the embeddings, logits and input batch split over stages."""
-    name, axes = PIPELINE_LOGITS_BATCH
-    axes = tuple(a for a in axes if a in rule_set.mesh_axes)
-    changed = tuple((n, axes if n == name else a) for n, a in rule_set.logical_axis_rules)
-    # MaxText also moves `stage` to the front of the data pipeline's axes (configs/types.py).
-    data = rule_set.data_sharding
-    if STAGE_AXIS in data:
-        data = (STAGE_AXIS,) + tuple(a for a in data if a != STAGE_AXIS)
-    return dataclasses.replace(rule_set, logical_axis_rules=changed, data_sharding=data)
-
-
-def stage_before_data(plan: "MeshPlan") -> "MeshPlan":
-    """The mesh of a pipelined run: MaxText swaps `stage` in front of `data` when it comes after it
-    (configs/types.py), so the devices of one stage are contiguous. Sizes move with their axes."""
-    names = list(plan.axis_names)
-    if STAGE_AXIS not in names or "data" not in names or names.index(STAGE_AXIS) < names.index("data"):
-        return plan
-    i, j = names.index(STAGE_AXIS), names.index("data")
-    order = list(range(len(names)))
-    order[i], order[j] = order[j], order[i]
-    return dataclasses.replace(plan, axis_names=tuple(names[k] for k in order), ici=tuple(plan.ici[k] for k in order),
-                               dcn=tuple(plan.dcn[k] for k in order))
-
-
-def stage_as_data(rules: rules_mod.Rules) -> rules_mod.Rules:
+def stage_as_data(rules: Rules) -> Rules:
     """Rules for layers outside the pipeline: `stage` is dropped everywhere and inserted just before
     `data` wherever `data` appears, so those layers split their batch over the stages too."""
     out = []
     for name, axes in rules:
-        axes = tuple(a for a in rules_mod.axes_of(axes) if a != STAGE_AXIS)
+        axes = tuple(a for a in entry_axes(axes) if a != STAGE_AXIS)
         if "data" in axes:
             at = axes.index("data")
             axes = axes[:at] + (STAGE_AXIS,) + axes[at:]
@@ -194,7 +105,7 @@ class SequentialLayers(nn.Module):
     """`count` copies of `layer` applied one after another, named `layers_<i>`: a stage of several
     layers that is not scanned. Subclassed per (layer, count) by :func:`_stage_module`."""
 
-    cfg: "ModelConfig"
+    cfg: ModelConfig
     layer: ClassVar[type[nn.Module]]
     count: ClassVar[int]
 
@@ -256,7 +167,6 @@ def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Arr
                  x: jax.Array, positions: jax.Array) -> jax.Array:
     """Runs `stage_fn(stage weights, inputs, positions)` over the pipeline schedule; x: [batch, length, embed]."""
     n, m, k, r = pp.num_stages, pp.num_microbatches, pp.microbatches_per_stage, pp.num_repeats
-    pp.check_batch(x.shape[0])
     micro_shape = (x.shape[0] // m,) + x.shape[1:]
     state_io = constrain(x.reshape((n, k) + micro_shape), (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:],
                          "pipeline_state_io")
@@ -302,19 +212,16 @@ def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Arr
     return jnp.roll(state_io, -(n - 1), axis=1).reshape(x.shape)
 
 
-def _is_box(x: Any) -> bool:
-    return isinstance(x, nn.Partitioned)
-
-
 class Pipeline(nn.Module):
-    """`layer` stacked into the stages of `cfg.pipeline`; (x, positions) -> x."""
+    """`layer` stacked into the stages of `schedule`; (x, positions) -> x."""
 
-    cfg: "ModelConfig"
+    cfg: ModelConfig
+    schedule: PipelineConfig
     layer: type[nn.Module]
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        pp = self.cfg.pipeline
+        pp = self.schedule
         lead = (pp.num_repeats, pp.num_stages) if pp.num_repeats > 1 else (pp.num_stages,)
         if self.is_initializing():
             # Creates the stacked weights; the schedule itself only runs in apply.
@@ -322,35 +229,35 @@ class Pipeline(nn.Module):
             stages(jnp.broadcast_to(x, lead + x.shape), jnp.broadcast_to(positions, lead + positions.shape))
             return x
         # Reading a boxed weight applies its logical constraint, as flax does for self.param.
-        weights = jax.tree.map(lambda b: b.unbox() if _is_box(b) else b, self.variables["params"]["stages"],
-                               is_leaf=_is_box)
+        weights = nn.meta.unbox(self.variables["params"]["stages"])
         stage_stack = _stage_module(self.layer, pp)(self.cfg)
         stage_path = tuple(self.path) + ("stages",)
 
         def stage_fn(stage_weights: Any, inputs: jax.Array, stage_positions: jax.Array) -> jax.Array:
             # The stage stack runs detached from this module: keep its activations under our path.
-            with activations.module_prefix(stage_path):
+            with module_prefix(stage_path):
                 return stage_stack.apply({"params": stage_weights}, inputs, stage_positions)[0]
 
         return run_pipeline(pp, stage_fn, weights, x, positions)
 
 
-def apply_layer_stack(cfg: "ModelConfig", layer: type[nn.Module], num_layers: int, x: jax.Array,
-                      positions: jax.Array, name: str = "layers", layer_axis: str = "layers",
+def apply_layer_stack(cfg: ModelConfig, schedule: PipelineConfig | None, layer: type[nn.Module], num_layers: int,
+                      x: jax.Array, positions: jax.Array, name: str = "layers", axis: str | None = None,
                       outside_first: bool = False) -> jax.Array:
-    """`num_layers` copies of `layer` over x, scanned, or pipelined when `cfg.pipeline` is set.
+    """`num_layers` copies of `layer` over x, scanned, or pipelined by `schedule`.
 
     Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`
     (and `<name>_outside_pipeline` for the layers the pipeline leaves out). Scanned weights carry the
-    logical name `layer_axis` on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE stack);
-    pipelined ones carry `layers` (on `stage`). The layers a pipeline leaves out run under
-    :func:`stage_as_data` rules, after the pipeline with layer axis `layers_outside_pipeline`, or before
-    it with layer axis `layer_axis` when `outside_first` (DeepSeek, as MaxText orders them)."""
-    pp = cfg.pipeline
-    if pp is None:
-        x, _ = scan_layers(layer, num_layers, layer_axis)(cfg, name=name)(x, positions)
+    logical name `axis` (default `name`) on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE
+    stack), as MaxText names a scanned stack's axis; pipelined ones carry `layers` (on `stage`).
+    The layers a pipeline leaves out run under :func:`stage_as_data` rules, after the pipeline with
+    layer axis `layers_outside_pipeline`, or before it with layer axis `axis` when `outside_first`
+    (DeepSeek, as MaxText orders them)."""
+    axis = axis or name
+    if schedule is None:
+        x, _ = scan_layers(layer, num_layers, axis)(cfg, name=name)(x, positions)
         return x
-    rest = num_layers - pp.num_layers
+    rest = num_layers - schedule.num_layers
 
     def outside(x: jax.Array, axis: str) -> jax.Array:
         with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
@@ -358,8 +265,8 @@ def apply_layer_stack(cfg: "ModelConfig", layer: type[nn.Module], num_layers: in
         return x
 
     if rest and outside_first:
-        x = outside(x, layer_axis)
-    x = Pipeline(cfg, layer, name=name)(x, positions)
+        x = outside(x, axis)
+    x = Pipeline(cfg, schedule, layer, name=name)(x, positions)
     if rest and not outside_first:
         x = outside(x, OUTSIDE_LOGICAL)
     return x

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import flax.linen as nn
-
 from sharding_dump.models.mixtral import MixtralDecoderLayer, MixtralDecoderLM
 
 
@@ -29,4 +27,4 @@ class Qwen3MoeDecoderLayer(MixtralDecoderLayer):
 class Qwen3MoeDecoderLM(MixtralDecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
-    layer: ClassVar[type[nn.Module]] = Qwen3MoeDecoderLayer
+    layer = Qwen3MoeDecoderLayer

@@ -28,9 +28,10 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def inverse_frequencies(cfg: ModelConfig, dim: int) -> np.ndarray:
-    """The `dim // 2` rotation frequencies of the card's rotary variant (a constant, not traced)."""
-    base = float(cfg.rope_max_timescale)
+def inverse_frequencies(cfg: ModelConfig, dim: int, max_timescale: float | None = None) -> np.ndarray:
+    """The `dim // 2` rotation frequencies of the card's rotary variant (a constant, not traced), with
+    base `max_timescale` (default: the card's `rope_max_timescale`)."""
+    base = float(max_timescale or cfg.rope_max_timescale)
     plain = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     if cfg.rope_type != "yarn":
         return plain.astype(np.float32)
@@ -50,10 +51,13 @@ def inverse_frequencies(cfg: ModelConfig, dim: int) -> np.ndarray:
     return (plain / cfg.rope_factor * ramp + plain * keep).astype(np.float32)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Rotates the last dim of x (batch, length, heads, dim) by position."""
+def apply_rotary(x: jax.Array, positions: jax.Array, cfg: ModelConfig, max_timescale: float | None = None,
+                 linear_scaling: float = 1.0) -> jax.Array:
+    """Rotates the last dim of x (batch, length, heads, dim) by position (divided by `linear_scaling`,
+    Gemma 3's stretch of its global layers' context), with base `max_timescale` when given."""
     dim = x.shape[-1]
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inverse_frequencies(cfg, dim))
+    scaled = positions[..., None].astype(jnp.float32) / linear_scaling
+    angles = scaled * jnp.asarray(inverse_frequencies(cfg, dim, max_timescale))
     scale = yarn_mscale(cfg.rope_factor) if (cfg.rope_type == "yarn" and cfg.rope_attention_scaling) else 1.0
     sin = (jnp.sin(angles) * scale)[:, :, None, :]
     cos = (jnp.cos(angles) * scale)[:, :, None, :]

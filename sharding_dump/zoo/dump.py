@@ -29,16 +29,13 @@ from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.config import card_path
-from sharding_dump.models.pipeline import (
-    pipeline_rules,
-    plan_pipeline,
-    stage_before_data,
-)
+from sharding_dump.models.pipeline import PipelineConfig
 from sharding_dump.zoo import optimizers, rules, settings, state
 from sharding_dump.zoo.batch import BatchPlan, plan_batch
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
 from sharding_dump.zoo.model_ref import load_factory
+from sharding_dump.zoo.pipeline_plan import check_batch, pipeline_rules, plan_pipeline, stage_before_data
 from sharding_dump.zoo.topology import Topology, load_topology
 
 
@@ -53,6 +50,7 @@ class CaseSetup:
     plan: MeshPlan
     config: models.ModelConfig | None  # None for a user's factory model
     batch: BatchPlan
+    pipeline: PipelineConfig | None = None  # the built-in model's pipeline schedule, when `stage` > 1
 
     @property
     def optimizer(self) -> Any:
@@ -89,8 +87,7 @@ def setup_case(case: Case) -> CaseSetup:
     else:
         config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
-        pipeline = plan_pipeline(values, plan, rule_set, config.pipelined_stack_layers)
-        config = dataclasses.replace(config, pipeline=pipeline)
+        pipeline = plan_pipeline(values, plan, rule_set, models.pipelined_stack_length(config))
         if pipeline is not None:
             rule_set = pipeline_rules(rule_set)
             plan = stage_before_data(plan)
@@ -101,8 +98,8 @@ def setup_case(case: Case) -> CaseSetup:
     optimizers.case_optimizer(values)  # a user's optimizer that cannot be built fails here, before any trace
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
-        pipeline.check_batch(batch.global_batch_size)
-    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch)
+        check_batch(pipeline, batch.global_batch_size)
+    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch, pipeline)
     if setup.explicit:
         _check_even_splits(setup)
     return setup
@@ -130,7 +127,7 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    auto = _abstract_state(setup.config, setup.optimizer) if setup.config is not None else \
+    auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
         _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
     layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
                                    setup.values["shard_optimizer_over_data"])
@@ -143,9 +140,9 @@ def _check_even_splits(setup: CaseSetup) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_state(config: models.ModelConfig, tx: Any) -> dict[str, Any]:
-    # Shapes only depend on the config and optimizer; cases of one model share the traced init.
-    return state.abstract_state(config, tx)
+def _abstract_state(config: models.ModelConfig, tx: Any, pipeline: PipelineConfig | None) -> dict[str, Any]:
+    # Shapes only depend on the config, optimizer and pipeline; cases of one model share the traced init.
+    return state.abstract_state(config, tx, pipeline)
 
 
 @functools.lru_cache(maxsize=16)
@@ -196,7 +193,7 @@ def abstract_state_of(setup: CaseSetup) -> Any:
     init runs under the case's mesh and rules as it would in training (on the Explicit-axis mesh in
     explicit mode, each leaf then carrying its sharding)."""
     if setup.config is not None:
-        return _abstract_state(setup.config, setup.optimizer)
+        return _abstract_state(setup.config, setup.optimizer, setup.pipeline)
     return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
                           setup.optimizer)
 
@@ -217,7 +214,7 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     over_data = setup.values["shard_optimizer_over_data"]
     if setup.explicit and setup.config is not None:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
-                                                    setup.optimizer)
+                                                    setup.optimizer, setup.pipeline)
     boxed = layout_view(setup, abstract_state_of(setup))
     if setup.explicit:
         return setup, typed_layouts(boxed, setup.plan.sizes)
@@ -258,7 +255,7 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
 def case_model(setup: CaseSetup) -> Model:
     """The zoo model of a card case as the core drives it."""
     assert setup.config is not None
-    return as_model(models.build_model(setup.config))
+    return as_model(models.build_model(setup.config, setup.pipeline))
 
 
 def case_step(setup: CaseSetup) -> Step:

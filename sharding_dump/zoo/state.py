@@ -50,6 +50,7 @@ from sharding_dump.core.state import (  # noqa: F401
     parameter_count,
 )
 from sharding_dump.errors import BadInput
+from sharding_dump.models.pipeline import PipelineConfig
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.mesh import MeshPlan
 
@@ -58,10 +59,12 @@ DATA_AXIS = "data"
 TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
 
 
-def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | None = None) -> dict[str, Any]:
+def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | None = None,
+                   pipeline: PipelineConfig | None = None) -> dict[str, Any]:
     """The boxed abstract state {'step', 'params', 'opt_state'} of a zoo model trained with `tx`
-    (default: the core's AdamW), via jax.eval_shape."""
-    return abstract_train_state(as_model(models.build_model(cfg)).abstract_params(), tx or default_optimizer())
+    (default: the core's AdamW), its layers pipelined by `pipeline`, via jax.eval_shape."""
+    return abstract_train_state(as_model(models.build_model(cfg, pipeline)).abstract_params(),
+                                tx or default_optimizer())
 
 
 def is_optimizer_leaf(path: str) -> bool:
@@ -110,18 +113,21 @@ def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSe
 
 
 def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
-                   optimizer_over_data: bool = False, tx: optax.GradientTransformation | None = None) -> dict[str, Any]:
+                   optimizer_over_data: bool = False, tx: optax.GradientTransformation | None = None,
+                   pipeline: PipelineConfig | None = None) -> dict[str, Any]:
     """The boxed state traced on the plan's Explicit-axis abstract mesh: every leaf carries the sharding
     JAX gives it. Parameters are placed by the rules (`jax.sharding.reshard`: flax's init cannot run
     under an Explicit mesh), and so is every optimizer leaf that derives logical axes from its
     parameter, as a trainer places its state by its logical annotations (AdamW's moments already follow
     their parameter); ZeRO-1 then reshards the optimizer leaves over `data`."""
-    model = models.build_model(cfg)
+    model = models.build_model(cfg, pipeline)
     tx = tx or default_optimizer()
-    template = abstract_state(cfg, tx)["opt_state"]  # every optimizer leaf's derived axes
+    template = abstract_state(cfg, tx, pipeline)["opt_state"]  # every optimizer leaf's derived axes
     mesh = plan.abstract_mesh(explicit=True)
 
-    def place(box: nn.Partitioned, over: bool = False) -> nn.Partitioned:
+    def place(box: nn.Partitioned | jax.Array, over: bool = False) -> nn.Partitioned | jax.Array:
+        if not is_box(box):  # a parameter without logical axes (Qwen3-Next's decay) stays replicated
+            return box
         spec = rules.to_mesh_axes(box.names, rule_set.logical_axis_rules)
         if over:
             spec = over_data(spec, box.value.shape, plan.sizes)
@@ -145,7 +151,8 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
 
 def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
                             optimizer_over_data: bool = False,
-                            tx: optax.GradientTransformation | None = None) -> list[TensorLayout]:
+                            tx: optax.GradientTransformation | None = None,
+                            pipeline: PipelineConfig | None = None) -> list[TensorLayout]:
     """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs
     (a scalar JAX leaves unannotated is replicated)."""
-    return typed_layouts(explicit_state(cfg, plan, rule_set, optimizer_over_data, tx), plan.sizes)
+    return typed_layouts(explicit_state(cfg, plan, rule_set, optimizer_over_data, tx, pipeline), plan.sizes)

@@ -36,9 +36,15 @@ def test_clean_case_exits_0(capsys):
 # device is left for fsdp and the embeddings (3.9% of parameter bytes) are whole on every device.
 EXPECTED_FINDINGS = {
     "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_ici_pipeline_parallelism=2_"
-    "num_pipeline_microbatches=8_shard_optimizer_over_data=true": "replicated",
+    "num_pipeline_microbatches=8_shard_optimizer_over_data=true": ["replicated"],
     "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_ici_pipeline_parallelism=2_"
-    "num_pipeline_microbatches=8_shard_optimizer_over_data=true_shard_mode=explicit": "replicated",
+    "num_pipeline_microbatches=8_shard_optimizer_over_data=true_shard_mode=explicit": ["replicated"],
+    # DeepSeek-V3.2 (672B) on 16 chips does not fit, and its indexer's k_norm carries no logical axes in
+    # MaxText either (whole on every device in MaxText's own dump); the case is the one checked against it.
+    "deepseek3.2-671b/tpu7x-16/slice_1/rule_default": ["unplaced", "memory"],
+    # Gated DeltaNet's conv1d kernel, A_log and dt_bias carry no logical axes in MaxText's own dump either.
+    "qwen3-next-80b-a3b/tpu7x-16/slice_1/rule_default_ici_tensor_parallelism=2_ici_expert_parallelism=4": ["unplaced"],
+    "qwen3.5-35b-a3b/tpu7x-8/slice_1/rule_default": ["unplaced"],
 }
 
 
@@ -50,10 +56,12 @@ def test_every_case_of_the_matrix_is_clean_but_the_known_ones_with_progress(caps
     assert [line.split(" ", 1)[0] for line in progress] == [f"[{i}/{len(cases)}]" for i in range(1, len(cases) + 1)]
     for case, line in zip(cases, progress):
         expected = EXPECTED_FINDINGS.get(case.label)
-        assert line.split(" ", 1)[1].startswith(f"{case.label}: {'1 finding' if expected else 'clean'} ("), line
+        count = len(expected or [])
+        said = f"{count} finding{'s' * (count > 1)}" if count else "clean"
+        assert line.split(" ", 1)[1].startswith(f"{case.label}: {said} ("), line
     found = [line.strip().split("]")[0] + "]" for line in lines if line.startswith("  [")]
-    assert found == [f"[{lint}]" for lint in EXPECTED_FINDINGS.values()]
-    assert lines[-1] == f"{len(cases)} cases checked, {len(EXPECTED_FINDINGS)} findings"
+    assert found == [f"[{lint}]" for lints in EXPECTED_FINDINGS.values() for lint in lints]
+    assert lines[-1] == f"{len(cases)} cases checked, {len(found)} findings"
 
 
 def test_kv_heads_not_divisible_by_tensor(capsys):

@@ -222,7 +222,7 @@ def test_card_path_and_name_resolution(tmp_path):
     copy.write_text(shipped.read_text())
     with pytest.raises(BadInput, match=r"field name: 'llama3.1-8b' is the name of the model card .*own name"):
         resolve_model(str(copy))
-    with pytest.raises(BadInput, match=r"unknown model 'llama3.1-9b': valid models are .* or a path to a card file"):
+    with pytest.raises(BadInput, match=r"unknown model 'llama3.1-9b': valid models are the \d+ cards .*closest: llama3.1-8b.* or a path to a card file"):
         resolve_model("llama3.1-9b")
 
 

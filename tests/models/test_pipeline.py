@@ -11,26 +11,28 @@ import pytest
 from helpers import REPO, assert_bad_input, committed_golden, run_cli
 from sharding_dump.core import capture as activations
 from sharding_dump.errors import BadInput
+from sharding_dump import models
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import setup_case, trace_case
+from sharding_dump.zoo.pipeline_plan import check_batch
 
 MATRIX = load_matrix()
 SETUPS = {case.label: setup_case(case) for case in MATRIX}
-PIPELINE_CASES = [c for c in MATRIX if SETUPS[c.label].config.pipeline is not None]
+PIPELINE_CASES = [c for c in MATRIX if SETUPS[c.label].pipeline is not None]
 
 
 def test_matrix_has_the_pipeline_cases():
     assert len(PIPELINE_CASES) >= 2
-    assert any(SETUPS[c.label].config.pipeline.uses_circular_storage for c in PIPELINE_CASES)
-    assert any(SETUPS[c.label].config.pipeline.num_layers < SETUPS[c.label].config.num_decoder_layers
+    assert any(SETUPS[c.label].pipeline.uses_circular_storage for c in PIPELINE_CASES)
+    assert any(SETUPS[c.label].pipeline.num_layers < SETUPS[c.label].config.num_decoder_layers
                for c in PIPELINE_CASES)
 
 
 def test_matrix_covers_every_stage_layout():
     layouts = {(p.layers_per_stage > 1, p.scan_layers_per_stage)
-               for p in (SETUPS[c.label].config.pipeline for c in PIPELINE_CASES)}
+               for p in (SETUPS[c.label].pipeline for c in PIPELINE_CASES)}
     assert layouts == {(False, False), (True, False), (True, True)}
 
 
@@ -42,7 +44,7 @@ def test_stacked_layer_weights_are_laid_out_as_maxtext(case):
     named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
     stacked = [path for path in named if "/stages/" in path]
     assert len(stacked) >= 3 * 9  # params, mu and nu of every stacked weight
-    pp = SETUPS[case.label].config.pipeline
+    pp = SETUPS[case.label].pipeline
     lead = ["circular_repeats", "layers"] if pp.num_repeats > 1 else ["layers"]
     unscanned = pp.layers_per_stage > 1 and not pp.scan_layers_per_stage
     for path in stacked:
@@ -66,7 +68,7 @@ def test_layers_outside_the_pipeline_are_not_on_stage():
     unsharded); DeepSeek's leftover MoE layers keep `moe_layers`, its dense layers `dense_layers`."""
     for case in PIPELINE_CASES:
         setup = SETUPS[case.label]
-        if setup.config.pipeline.num_layers == setup.config.pipelined_stack_layers:
+        if setup.pipeline.num_layers == models.pipelined_stack_length(setup.config):
             continue
         named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
         outside = [p for p in named if p.startswith("params/") and "_outside_pipeline/" in p]
@@ -82,7 +84,7 @@ def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
     """The traced training step moves microbatches with a ppermute ring on `stage` inside a shard_map,
     and the activation dump holds the stage buffers with `activation_stage` on `stage`."""
     setup = SETUPS[case.label]
-    pp, cfg, batch = setup.config.pipeline, setup.config, setup.batch
+    pp, cfg, batch = setup.pipeline, setup.config, setup.batch
     closed, _ = trace_case(setup)
     eqns = [eqn for eqn, _ in activations.equations(closed)]
     shifts = [e for e in eqns if e.primitive.name == "ppermute"]
@@ -109,7 +111,7 @@ def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
 def test_pipeline_keeps_every_parameter():
     counts = {}
     for case in (MATRIX[0], PIPELINE_CASES[0]):
-        counts[case.label] = state.parameter_count(state.abstract_state(SETUPS[case.label].config))
+        counts[case.label] = state.parameter_count(state.abstract_state(SETUPS[case.label].config, pipeline=SETUPS[case.label].pipeline))
     assert len(set(counts.values())) == 1, counts
 
 
@@ -118,19 +120,19 @@ def test_schedule_arithmetic():
     assert (pp.microbatches_per_stage, pp.num_iterations) == (2, 19)
     assert pp.uses_circular_storage and not dataclasses.replace(pp, num_microbatches=4).uses_circular_storage
     with pytest.raises(BadInput, match="num_pipeline_microbatches=8: does not divide the global batch of 12"):
-        pp.check_batch(12)
+        check_batch(pp, 12)
 
 
 def test_maxtext_defaults_one_layer_per_stage_and_derived_repeats():
     """num_layers_per_pipeline_stage=1, num_pipeline_repeats=-1 (layers / stages), one microbatch per stage."""
     setup = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={"ici_pipeline_parallelism": 4}))
-    assert setup.config.pipeline == PipelineConfig(4, 4, 8, 32, 1, False)
+    assert setup.pipeline == PipelineConfig(4, 4, 8, 32, 1, False)
     setup = setup_case(Case.make("llama2-7b", "v5p-8", "default", overrides={
         "ici_pipeline_parallelism": 4, "num_layers_per_pipeline_stage": 4}))
-    assert setup.config.pipeline == PipelineConfig(4, 4, 2, 32, 4, False)
+    assert setup.pipeline == PipelineConfig(4, 4, 2, 32, 4, False)
     deepseek = setup_case(Case.make("deepseek2-16b", "v6e-16", "pipeline-large-moe",
                                     overrides={"ici_pipeline_parallelism": 4, "pipeline_parallel_layers": 24}))
-    assert deepseek.config.pipeline == PipelineConfig(4, 4, 6, 24, 1, False)
+    assert deepseek.pipeline == PipelineConfig(4, 4, 6, 24, 1, False)
 
 
 def test_pipelined_run_puts_stage_first_in_the_logits_batch():

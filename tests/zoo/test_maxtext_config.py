@@ -312,7 +312,7 @@ def test_base_config_next_to_the_file_comes_before_maxtexts(tmp_path):
     ("- a\n- b\n", "holds a list, not a mapping of MaxText keys"),
     ("base_config: base.yml\nmodel_name: llama2-7b\n", r"missing --topology \(or compile_topology in the MaxText config\)"),
     ("base_config: base.yml\n", "model_name: 'default': MaxText's base model has no card"),
-    ("base_config: base.yml\nmodel_name: gemma3-4b\n", "model_name: unknown model 'gemma3-4b'"),
+    ("base_config: base.yml\nmodel_name: gemma9-4b\n", "model_name: unknown model 'gemma9-4b'"),
     ("base_config: base.yml\nmodel_name: llama2-7b\ncompile_topology: 16\n", "compile_topology: 16 is not a topology name"),
     ("base_config: base.yml\nmodel_name: llama2-7b\ncompile_topology: v9x-16\n", "unknown topology 'v9x-16'"),
 ])

@@ -26,7 +26,7 @@ def representatives(cases: list[Case]) -> list[Case]:
     kinds, rules, out = set(), set(), []
     for case in cases:
         setup = SETUPS[case.label]
-        kind = (setup.config.decoder_block, setup.config.pipeline is not None, case.num_slices > 1,
+        kind = (setup.config.decoder_block, setup.pipeline is not None, case.num_slices > 1,
                 bool(setup.values["shard_optimizer_over_data"]), setup.values["opt_type"])
         if kind not in kinds or case.rule not in rules:
             kinds.add(kind)

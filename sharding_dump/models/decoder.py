@@ -1,0 +1,116 @@
+"""The one decoder every family builds: token embedding, the family's layer stacks, final norm and
+output logits. A family is its layer (the unit a stack repeats) and, when it has more than one
+stack, the list of them (:meth:`DecoderLM.stacks`).
+
+>>> from sharding_dump.models.config import load_config
+>>> from sharding_dump.models.deepseek import DeepSeekDecoderLM
+>>> [(s.name, s.length, s.pipelined) for s in DeepSeekDecoderLM.stacks(load_config("deepseek2-16b"))]
+[('dense_layers', 1, False), ('moe_layers', 26, True)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+
+from sharding_dump.core.capture import constrain
+from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.layers import BLE, Embed, output_logits
+from sharding_dump.models.pipeline import PipelineConfig, apply_layer_stack, stage_as_data
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """`length` copies of `layer` ((x, positions) -> (x, None)), stacked by nn.scan as `name`, which
+    also names their layer axis (MaxText's `layers`, `dense_layers`, `moe_layers`).
+
+    `pipelined`: the stack a pipeline cuts into stages (at most one per decoder; the others then run
+    with `stage` as one more data axis). `outside_first`: the layers a pipeline leaves out run before
+    it (DeepSeek) rather than after. `scanned=False`: one module applied once (a remainder block that
+    does not fill a scanned unit), built with `options` as keyword arguments."""
+
+    layer: type[nn.Module]
+    length: int
+    name: str = "layers"
+    axis: str | None = None  # the logical name of the layer axis, when not `name` (Gemma 4's scanned_blocks)
+    pipelined: bool = False
+    outside_first: bool = False
+    scanned: bool = True
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+class LayerCycle(nn.Module):
+    """One scanned unit of `inhomogeneous_layer_cycle_interval` layers, named layers_0 ... as MaxText's
+    scannable blocks name them; layer k is `layer(cfg, **options(k))`, (x, positions) -> x."""
+
+    cfg: ModelConfig
+    layer: ClassVar[type[nn.Module]]
+    prefix: ClassVar[str] = "layers_"  # MaxText's Qwen3-Next names them layer_0 ...
+
+    def options(self, index: int) -> dict[str, Any]:
+        """Keyword arguments of layer `index` (which kind of attention or MLP it has)."""
+        return {}
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        for index in range(self.cfg.inhomogeneous_layer_cycle_interval):
+            x = self.layer(self.cfg, name=f"{self.prefix}{index}", **self.options(index))(x, positions)
+        return x, None
+
+
+class Decoder(nn.Module):
+    """The stacks in order, the final norm and the output projection (through `shared_embedding`
+    when the card ties them)."""
+
+    cfg: ModelConfig
+    stacks: tuple[Stack, ...]
+    pipeline: PipelineConfig | None = None
+    shared_embedding: Embed | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        for stack in self.stacks:
+            if not stack.scanned:
+                x, _ = stack.layer(self.cfg, name=stack.name, **dict(stack.options))(x, positions)
+            elif stack.pipelined or self.pipeline is None:
+                x = apply_layer_stack(self.cfg, self.pipeline if stack.pipelined else None, stack.layer, stack.length,
+                                      x, positions, name=stack.name, axis=stack.axis, outside_first=stack.outside_first)
+            else:
+                # As in MaxText, a stack the pipeline does not cut splits its batch over `stage` like data.
+                with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
+                    x = apply_layer_stack(self.cfg, None, stack.layer, stack.length, x, positions, name=stack.name,
+                                          axis=stack.axis)
+        return output_logits(self.cfg, x, self.shared_embedding)
+
+
+class DecoderLM(nn.Module):
+    """Token ids (batch, length) -> logits (batch, length, vocab). A family sets `layer`, the unit of
+    its one stack (`inhomogeneous_layer_cycle_interval` layers), or overrides :meth:`stacks`."""
+
+    cfg: ModelConfig
+    pipeline: PipelineConfig | None = None
+    layer: ClassVar[type[nn.Module]]
+
+    @classmethod
+    def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
+        """The decoder's layer stacks, in order."""
+        return (Stack(cls.layer, cfg.num_decoder_layers // cfg.inhomogeneous_layer_cycle_interval, pipelined=True),)
+
+    def setup(self) -> None:
+        self.token_embedder = Embed(self.cfg)
+        shared = self.token_embedder if self.cfg.logits_via_embedding else None
+        self.decoder = Decoder(self.cfg, self.stacks(self.cfg), self.pipeline, shared)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
+        return self.decoder(x, positions)
+
+
+def pipelined_length(family: type, cfg: ModelConfig) -> int | None:
+    """Length of the stack a pipeline cuts into stages (None: the family has none)."""
+    stacks = getattr(family, "stacks", None)
+    found = [s.length for s in stacks(cfg) if s.pipelined] if stacks is not None else []
+    return found[0] if found else None
