@@ -6,19 +6,17 @@ aborts the process when it is imported a second time, and a re-imported flax wou
 `nn.Module` classes.
 """
 
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
 import flax.linen  # noqa: F401
 import flax.nnx  # noqa: F401
 import jax  # noqa: F401
 import optax  # noqa: F401
+import pytest  # noqa: E402
 
 import sharding_dump.commands.verify  # noqa: F401
 import sharding_dump.zoo.dump  # noqa: F401
-
-from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import pytest  # noqa: E402
-
 from helpers import REPO  # noqa: E402
 
 

@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable, Hashable, Iterable
+
+import pytest
 
 from sharding_dump.commands import cli
 from sharding_dump.golden import codec
@@ -16,6 +19,17 @@ from sharding_dump.zoo.settings import parse_overrides, resolve
 from sharding_dump.zoo.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def sweep_beyond_first(items: Iterable[Any], kind: Callable[[Any], Hashable] = lambda _: None) -> list[Any]:
+    """Parameters for a check repeated over many items: the first item of each kind runs by default,
+    the others carry the `sweep` mark (CI runs them as a step of their own: `pytest -m sweep`)."""
+    seen, out = set(), []
+    for item in items:
+        key = kind(item)
+        out.append(item if key not in seen else pytest.param(item, marks=pytest.mark.sweep))
+        seen.add(key)
+    return out
 
 
 def mesh_plan(rule: str, topology: str, num_slices: int = 1, **overrides: object) -> MeshPlan:

@@ -26,7 +26,7 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sharding_dump.core.specs import spec_to_json  # noqa: E402  (jax-free: the package's one spec normaliser)

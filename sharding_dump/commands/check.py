@@ -89,20 +89,36 @@ SIZE_FIELDS = frozenset({
 
 
 @functools.cache
-def model_logical_axes() -> frozenset[str]:
-    """Every logical axis name on any leaf of any model card's training state (one card traced per
-    block and set of non-size fields)."""
-    names: set[str] = set()
-    seen = set()
+def _card_kinds() -> tuple[models.ModelConfig, ...]:
+    """One model card per decoder block and set of non-size fields (sizes change no axis name)."""
+    kinds: dict[tuple, models.ModelConfig] = {}
     for model in models.model_names():
         cfg = models.load_config(model)
-        kind = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in SIZE_FIELDS)
-        if kind in seen:
-            continue
-        seen.add(kind)
-        for _, _, logical in state.leaves(state.abstract_state(cfg)):
-            names.update(n for n in logical if n is not None)
-    return frozenset(names)
+        kinds.setdefault(tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                               if f.name not in SIZE_FIELDS), cfg)
+    return tuple(kinds.values())
+
+
+@functools.cache
+def _axes_of(cfg: models.ModelConfig) -> frozenset[str]:
+    return frozenset(n for _, _, logical in state.leaves(state.abstract_params(cfg)) for n in logical if n is not None)
+
+
+def carried_by_a_model(names: set[str]) -> set[str]:
+    """The names among `names` that some model card's parameters carry (an optimizer leaf carries its
+    parameter's). Cards are traced one kind at a time, and only until every name is found.
+
+    >>> sorted(carried_by_a_model({"q_lora", "no_such_axis"}))
+    ['q_lora']
+    """
+    missing, found = set(names), set()
+    for cfg in _card_kinds():
+        if not missing:
+            break
+        hit = missing & _axes_of(cfg)
+        found |= hit
+        missing -= hit
+    return found
 
 
 def _axes_text(axes: rules.MeshAxes) -> str:
@@ -184,7 +200,8 @@ def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLay
         why = (f"no weight or activation of model {setup.case.model} carries '{{name}}': the rule never applies "
                "(a typo, or a rule for another model?)")
     else:
-        used = model_logical_axes() | own | known | set(setup.rule_set.input_data_sharding_logical_axes)
+        used = own | known | set(setup.rule_set.input_data_sharding_logical_axes)
+        used |= carried_by_a_model({name for name, _ in setup.rule_set.logical_axis_rules} - used)
         why = (f"no tensor of any model ({', '.join(models.model_names())}) carries '{{name}}' and the trainer "
                f"defines no such axis ({display(LINT_FILE)}): the rule never applies (a typo?)")
     findings = []

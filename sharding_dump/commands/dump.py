@@ -61,7 +61,6 @@ def _use_warnings(case: Case, folder: Path) -> list[str]:
     from sharding_dump.commands import check
     from sharding_dump.golden import codec
     from sharding_dump.zoo import rules
-
     from sharding_dump.zoo.dump import batch_fields
 
     docs = {path.name: codec.read_document(path) for path in sorted(folder.glob("*.json"))}

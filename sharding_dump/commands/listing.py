@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
         files = card_files()
         for name in models.model_names():
             cfg = models.load_config(name)
-            count = state.parameter_count(state.abstract_state(cfg))
+            count = state.parameter_count(state.abstract_params(cfg))
             source = "" if files[name].parent == MODELS_DIR else f"  (card {files[name]})"
             print(f"{name:<18} {cfg.decoder_block:<10} {count:>17,} parameters ({count / 1e9:.2f}B){source}")
         print(f"decoder blocks: {', '.join(sorted(models.decoder_blocks()))}")

@@ -29,7 +29,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding_dump.core import specs
 
 LogicalAxes = tuple[str | None, ...]
-Rules = Sequence[tuple[str, Any]]
 # A hook that may change a leaf's resolved spec (e.g. ZeRO-1 adds `data` to optimizer moments).
 SpecTransform = Callable[[str, tuple[int, ...], PartitionSpec], PartitionSpec]
 

@@ -14,8 +14,15 @@ from typing import TYPE_CHECKING
 
 import flax.linen as nn
 
-from sharding_dump.models.config import (ModelConfig, block_class, check_model_name, decoder_blocks, load_config,
-                                         model_names, resolve_model)
+from sharding_dump.models.config import (
+    ModelConfig,
+    block_class,
+    check_model_name,
+    decoder_blocks,
+    load_config,
+    model_names,
+    resolve_model,
+)
 from sharding_dump.models.decoder import pipelined_length
 
 if TYPE_CHECKING:

@@ -165,9 +165,10 @@ def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...],
     program = factory_program(ref)
     mesh = plan.abstract_mesh(explicit=explicit)
     if isinstance(program, TrainProgram):
-        from sharding_dump.core.layout import rules_of
         import flax.linen as nn
         import jax
+
+        from sharding_dump.core.layout import rules_of
 
         key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
         with jax.sharding.use_abstract_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):

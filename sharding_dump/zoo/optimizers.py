@@ -24,8 +24,8 @@ import optax
 from sharding_dump.core.layout import path_text
 from sharding_dump.core.state import ADAMW, default_optimizer
 from sharding_dump.errors import BadInput, one_line, shown
-from sharding_dump.zoo.model_ref import load_reference
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
+from sharding_dump.zoo.model_ref import load_reference
 
 OPTIMIZERS_FILE = DATA_DIR / "optimizers.yml"
 

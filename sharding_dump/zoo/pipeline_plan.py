@@ -9,10 +9,10 @@ import dataclasses
 from typing import Any, Mapping
 
 from sharding_dump.errors import BadInput
+from sharding_dump.models.pipeline import STAGE_AXIS, STAGE_LOGICAL, PipelineConfig
 from sharding_dump.zoo import rules as rules_mod
 from sharding_dump.zoo import settings as settings_mod
 from sharding_dump.zoo.mesh import MeshPlan
-from sharding_dump.models.pipeline import STAGE_AXIS, STAGE_LOGICAL, PipelineConfig
 
 # Pipeline settings and their defaults (data/settings.yml): a run without a pipeline must leave them so.
 PIPELINE_SETTINGS = {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1, "pipeline_parallel_layers": -1,

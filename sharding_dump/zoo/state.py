@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models
 from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
+    PartitionRuleError,
     TensorLayout,
     indivisible,
     is_box,
@@ -40,7 +41,6 @@ from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the 
     typed_layouts,
     unbox,
 )
-from sharding_dump.core.layout import PartitionRuleError
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
 from sharding_dump.core.state import (  # noqa: F401
@@ -57,6 +57,11 @@ from sharding_dump.zoo.mesh import MeshPlan
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 DATA_AXIS = "data"
 TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
+
+
+def abstract_params(cfg: models.ModelConfig) -> Any:
+    """The boxed abstract parameters of a zoo model alone (no optimizer traced): enough to count them."""
+    return as_model(models.build_model(cfg)).abstract_params()
 
 
 def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | None = None,

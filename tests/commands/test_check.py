@@ -48,6 +48,7 @@ EXPECTED_FINDINGS = {
 }
 
 
+@pytest.mark.sweep
 def test_every_case_of_the_matrix_is_clean_but_the_known_ones_with_progress(capsys):
     assert main(["check", "--all"]) == 1
     lines = capsys.readouterr().out.splitlines()

@@ -93,10 +93,15 @@ def test_all_reproduces_the_goldens_for_another_hash_seed(tmp_path):
     assert len(made) == 9 and made == {path: golden[path] for path in made}
 
 
-def test_list_models_prints_parameter_counts():
-    result = run_cli("list", "models")
-    assert result.returncode == 0, result.stderr
-    assert "6,738,415,616" in result.stdout and "596,049,920" in result.stdout
+def test_list_models_prints_parameter_counts(monkeypatch, capsys):
+    """Two cards stand for all (every card's count is held to its checkpoint in tests/models/test_cards.py)."""
+    from sharding_dump import models
+    monkeypatch.setattr(models, "model_names", lambda: ["llama2-7b", "qwen3-0.6b"])
+    assert main(["list", "models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["llama2-7b", "llama2", "6,738,415,616", "parameters", "(6.74B)"]
+    assert lines[1].split() == ["qwen3-0.6b", "qwen3", "596,049,920", "parameters", "(0.60B)"]
+    assert lines[2].startswith("decoder blocks: ") and "deepseek" in lines[2]
 
 
 def test_sixteen_thousand_devices(tmp_path):

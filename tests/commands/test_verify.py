@@ -13,11 +13,11 @@ import json
 import pytest
 
 from helpers import REPO, run_cli
+from sharding_dump.commands.cli import main
 from sharding_dump.commands.verify import figures, hlo, xla_log
 from sharding_dump.commands.verify.render import render_case
 from sharding_dump.commands.verify.result import CaseResult
 from sharding_dump.commands.verify.settings import Options
-from sharding_dump.commands.cli import main
 
 DATA = REPO / "tests/data/verify"
 TINY = str(DATA / "tiny-qwen3.yml")

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
@@ -317,6 +318,7 @@ def test_program_failures_are_one_line(tmp_path, capsys, monkeypatch, factory, m
                                        "ici_data_parallelism=2 per_device_batch_size=8 max_target_length=64", message)
 
 
+@pytest.mark.compile
 def test_verify_compiles_a_train_program(tmp_path, monkeypatch, capsys):
     """lm1b's own step, compiled on 4 fake devices with the golden's state shardings: they match."""
     args = ["--topology", "cpu-4", "--rule", "examples/lm1b_rules.yml", "ici_fsdp_parallelism=2",

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from flax import nnx
 from jax.interpreters import pxla
-from jax.sharding import NamedSharding, PartitionSpec as PS
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 from helpers import REPO, assert_bad_input, run_cli
 from sharding_dump.commands import check, cli
@@ -344,6 +345,7 @@ def test_explicit_mode_places_regex_weights_and_their_factored_moments_as_auto_m
     """The state traced on an Explicit-axis mesh (core.state.explicit_train_state) carries, in its
     types, the layouts auto mode resolves: regex-placed weights, their moments, their factored moments."""
     import optax
+
     import sharding_dump as sd
     from examples.regex_llama import LLaMAConfig, LLaMAForCausalLM
     from sharding_dump.core.layout import typed_layouts

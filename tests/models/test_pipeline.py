@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from helpers import REPO, assert_bad_input, committed_golden, run_cli
+from helpers import REPO, assert_bad_input, committed_golden, run_cli, sweep_beyond_first
+from sharding_dump import models
 from sharding_dump.core import capture as activations
 from sharding_dump.errors import BadInput
-from sharding_dump import models
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
@@ -79,7 +79,8 @@ def test_layers_outside_the_pipeline_are_not_on_stage():
             assert want in axes and "stage" not in json.dumps(named[path]["partition_spec"]), (path, axes)
 
 
-@pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("case", sweep_beyond_first(PIPELINE_CASES, lambda c: SETUPS[c.label].config.num_experts > 1),
+                         ids=lambda c: c.label)
 def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
     """The traced training step moves microbatches with a ppermute ring on `stage` inside a shard_map,
     and the activation dump holds the stage buffers with `activation_stage` on `stage`."""

@@ -20,11 +20,11 @@ import yaml
 from helpers import REPO, tree_bytes
 from sharding_dump import models
 from sharding_dump.commands import cli, options
-from sharding_dump.zoo import maxtext_config, settings
-from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 from sharding_dump.errors import BadInput
 from sharding_dump.models import config as config_module
 from sharding_dump.models.config import ModelConfig, load_card
+from sharding_dump.zoo import maxtext_config, settings
+from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 
 CONFIGS = REPO / "tests" / "data" / "maxtext" / "configs"
 RUN = REPO / "tests" / "data" / "maxtext" / "runs" / "llama2-7b-v5p-16.yml"

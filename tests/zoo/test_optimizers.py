@@ -15,10 +15,10 @@ import pytest
 import sharding_dump as sd
 from helpers import REPO, assert_bad_input
 from sharding_dump.commands import cli
-from sharding_dump.golden import diff
 from sharding_dump.core import optimizer as core_opt
 from sharding_dump.core.layout import resolve
 from sharding_dump.core.specs import spec_to_json
+from sharding_dump.golden import diff
 from sharding_dump.zoo.rules import load_rule
 
 
@@ -269,8 +269,9 @@ def test_explicit_mode_places_optimizer_leaves_as_auto_mode_does(tmp_path, monke
 def adafactor_train_program():
     """A TrainProgram whose own init builds Adafactor's state over boxed parameters, as flax's
     TrainState.create does: optax carries each kernel's box onto its factored moments."""
-    import sharding_dump as sd
     from flax.training import train_state
+
+    import sharding_dump as sd
     from examples.linen_lm import LinenLM
 
     model = LinenLM(vocab=512, embed=256, layers=1, heads=4, mlp=512)

@@ -5,7 +5,7 @@ import json
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_bad_input, committed_golden
+from helpers import assert_bad_input, committed_golden, sweep_beyond_first
 from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import check_document
 from sharding_dump.zoo import state
@@ -47,7 +47,14 @@ def test_matrix_has_explicit_and_zero1_cases():
     assert len(EXPLICIT_CASES) == 2 and len(ZERO1_CASES) == 3
 
 
-@pytest.mark.parametrize("case", representatives(AUTO_CASES), ids=lambda c: c.label)
+def code_path(case: Case) -> tuple:
+    """The code path of explicit mode a case takes: pipelined, multi-slice, ZeRO-1, optimizer, MoE."""
+    setup = SETUPS[case.label]
+    return (setup.pipeline is not None, case.num_slices > 1, bool(setup.values["shard_optimizer_over_data"]),
+            setup.values["opt_type"], setup.config.num_experts > 1)
+
+
+@pytest.mark.parametrize("case", sweep_beyond_first(representatives(AUTO_CASES), code_path), ids=lambda c: c.label)
 def test_explicit_mode_gives_the_auto_layout(case):
     """A case of every kind and rule of the matrix, traced on an Explicit-axis mesh, has the same
     tensors as in auto mode.
