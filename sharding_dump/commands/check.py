@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from sharding_dump import models
 from sharding_dump.commands import options, tables
+from sharding_dump.core.layout import TensorLayout, indivisible, leaves, per_device_totals
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import diff
 from sharding_dump.golden.engine import display
@@ -38,7 +39,6 @@ from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import rules, state
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import CaseSetup, case_layouts, trace_activations
-from sharding_dump.zoo.state import TensorLayout, per_device_totals
 
 LINT_FILE = DATA_DIR / "lint.yml"
 TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
@@ -101,7 +101,7 @@ def _card_kinds() -> tuple[models.ModelConfig, ...]:
 
 @functools.cache
 def _axes_of(cfg: models.ModelConfig) -> frozenset[str]:
-    return frozenset(n for _, _, logical in state.leaves(state.abstract_params(cfg)) for n in logical if n is not None)
+    return frozenset(n for _, _, logical in leaves(state.abstract_params(cfg)) for n in logical if n is not None)
 
 
 def carried_by_a_model(names: set[str]) -> set[str]:
@@ -176,7 +176,7 @@ def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Fi
     """Dimensions whose size is not a multiple of the product of the mesh axes they are split over."""
     sizes = setup.plan.sizes
     per_tensor: dict[str, tuple[Any, ...]] = {}
-    for layout, dim in state.indivisible(layouts):
+    for layout, dim in indivisible(layouts):
         size, pieces = layout.shape[dim], layout.shards(dim)
         axes = [a for a in layout.axes(dim) if sizes[a] > 1]
         over = " x ".join(f"{a}={sizes[a]}" for a in axes) + (f" = {pieces}" if len(axes) > 1 else "")

@@ -16,8 +16,8 @@ from typing import Any
 
 from sharding_dump.commands import options, tables
 from sharding_dump.core import specs
+from sharding_dump.core.layout import per_device_totals
 from sharding_dump.golden import diff
-from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import case_layouts
 
@@ -39,7 +39,7 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
     lines = [f"{case.label}: mesh {mesh} ({setup.plan.num_devices} devices){note}", "",
              tables.render(["tensor", "shape", "logical axes", "spec", "per-device shape", "bytes/device"],
                            rows, "text", right=(5,)), ""]
-    totals = state.per_device_totals(layouts)
+    totals = per_device_totals(layouts)
     groups = sorted((g for g in totals if g != "total"), key=lambda g: (GROUP_ORDER.get(g, 2), g))
     parts = ", ".join(f"{group} {tables.format_bytes(totals[group])}" for group in groups)
     hbm = setup.topology.hbm_bytes_per_device

@@ -20,11 +20,11 @@ from jax.extend.core import ClosedJaxpr
 from sharding_dump import models
 from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
-from sharding_dump.core.layout import typed_layouts
+from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
 from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
-from sharding_dump.core.state import Model, abstract_train_state, as_model, explicit_train_state
+from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.golden import codec
@@ -170,7 +170,7 @@ def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...],
 
         from sharding_dump.core.layout import rules_of
 
-        key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
+        key = abstract_key()
         with jax.sharding.use_abstract_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
             return program.abstract_state(key)
     model = program_model(ref)
@@ -208,7 +208,7 @@ def header(setup: CaseSetup) -> dict[str, Any]:
     }
 
 
-def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
+def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
     """The resolved case and the layout of every leaf of its training state (auto mode: from the
     rules; explicit mode: read from the state traced on an Explicit-axis mesh)."""
     setup = setup_case(case)
@@ -222,13 +222,13 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[state.TensorLayout]]:
     return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
 
 
-def _uneven_params_first(layouts: list[state.TensorLayout]) -> list[tuple[state.TensorLayout, int]]:
+def _uneven_params_first(layouts: list[TensorLayout]) -> list[tuple[TensorLayout, int]]:
     """The (leaf, dimension) pairs that split unevenly, parameters before optimizer slots (the one
     worth naming first)."""
-    return sorted(state.indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+    return sorted(indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
 
 
-def warn_uneven(setup: CaseSetup, layouts: list[state.TensorLayout]) -> None:
+def warn_uneven(setup: CaseSetup, layouts: list[TensorLayout]) -> None:
     """Warns (UnevenSplitWarning) when any leaf of the case splits unevenly, naming one (a parameter
     when there is one); `sharding-dump check` lists them all."""
     uneven = _uneven_params_first(layouts)

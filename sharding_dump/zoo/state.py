@@ -13,6 +13,7 @@ With ZeRO-1 (`shard_optimizer_over_data`), the optimizer state is also split ove
 (:func:`over_data`), as MaxText does for every optimizer leaf.
 
 >>> from sharding_dump import models
+>>> from sharding_dump.core.state import parameter_count
 >>> state = abstract_state(models.load_config("qwen3-0.6b"))
 >>> parameter_count(state)
 596049920
@@ -30,24 +31,20 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models
-from sharding_dump.core.layout import (  # noqa: F401  (the zoo's names for the core's layout pieces)
+from sharding_dump.core.layout import (
     PartitionRuleError,
     TensorLayout,
-    indivisible,
     is_box,
-    leaves,
-    path_text,
-    per_device_totals,
     typed_layouts,
     unbox,
 )
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
-from sharding_dump.core.state import (  # noqa: F401
+from sharding_dump.core.state import (
+    abstract_key,
     abstract_train_state,
     as_model,
     default_optimizer,
-    parameter_count,
 )
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig
@@ -149,7 +146,7 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
         opt_state = jax.tree.map(slot, template, tx.init(unbox(params)), is_leaf=is_box)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
 
-    key = jax.random.key(0)  # made outside the mesh: a concrete key needs no devices of it
+    key = abstract_key()
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.eval_shape(init, key)
 

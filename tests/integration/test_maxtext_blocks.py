@@ -15,6 +15,7 @@ import pytest
 
 from helpers import REPO, sweep_beyond_first
 from sharding_dump import models
+from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import golden_dir, load_matrix
 
@@ -103,7 +104,7 @@ def reference_folder(case: str):
 @pytest.mark.parametrize("card", sweep_beyond_first(sorted(MAXTEXT_PARAMETERS),
                                                     lambda card: models.load_config(card).decoder_block))
 def test_parameter_count_is_maxtexts(card):
-    assert state.parameter_count(state.abstract_state(models.load_config(card))) == MAXTEXT_PARAMETERS[card]
+    assert parameter_count(state.abstract_state(models.load_config(card))) == MAXTEXT_PARAMETERS[card]
 
 
 @pytest.mark.parametrize("case", [c for c in reference_cases() if (BLOCK_REFERENCE / c).is_dir()])

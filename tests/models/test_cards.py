@@ -19,6 +19,8 @@ import yaml
 from helpers import REPO, assert_bad_input, committed_golden, run_cli
 from sharding_dump import models
 from sharding_dump.commands import cli
+from sharding_dump.core.layout import leaves
+from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.models.config import honoured_fields, load_card, resolve_model
 from sharding_dump.zoo import state
@@ -51,7 +53,7 @@ MAXTEXT = {
 
 
 def count(cfg: models.ModelConfig) -> int:
-    return state.parameter_count(state.abstract_params(cfg))
+    return parameter_count(state.abstract_params(cfg))
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
@@ -78,8 +80,8 @@ def test_module_names_follow_maxtext():
     """Mixtral's experts are MoeBlock_0, Qwen3-MoE's moe_block, both routers on `embed`; Gemma's norms
     are pre_self_attention_norm / pre_ffw_norm. Nothing is named after another family."""
     def params(model):
-        leaves = state.leaves(state.abstract_state(models.load_config(model)))
-        return {path: logical for path, _, logical in leaves if path.startswith("params/")}
+        found = leaves(state.abstract_state(models.load_config(model)))
+        return {path: logical for path, _, logical in found if path.startswith("params/")}
 
     mixtral = params("mixtral-8x7b")
     assert mixtral["params/decoder/layers/MoeBlock_0/gate/kernel"] == ("embed", "layers", None)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sharding_dump import models
+from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.models.attention import causal_attention
 from sharding_dump.models.config import check_card_consistency
@@ -21,7 +22,7 @@ from sharding_dump.zoo import state
     ("gpt-oss-20b", 20.9e9, 0.03),
 ])
 def test_parameter_count_matches_published_size(model, published, tolerance):
-    count = state.parameter_count(state.abstract_state(models.load_config(model)))
+    count = parameter_count(state.abstract_state(models.load_config(model)))
     assert abs(count - published) / published < tolerance, f"{model}: {count:,} parameters"
 
 

@@ -11,6 +11,7 @@ import pytest
 from helpers import REPO, assert_bad_input, committed_golden, run_cli, sweep_beyond_first
 from sharding_dump import models
 from sharding_dump.core import capture as activations
+from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 from sharding_dump.zoo import state
@@ -112,7 +113,7 @@ def test_traced_step_shifts_with_ppermute_and_constrains_stage_buffers(case):
 def test_pipeline_keeps_every_parameter():
     counts = {}
     for case in (MATRIX[0], PIPELINE_CASES[0]):
-        counts[case.label] = state.parameter_count(state.abstract_state(SETUPS[case.label].config, pipeline=SETUPS[case.label].pipeline))
+        counts[case.label] = parameter_count(state.abstract_state(SETUPS[case.label].config, pipeline=SETUPS[case.label].pipeline))
     assert len(set(counts.values())) == 1, counts
 
 

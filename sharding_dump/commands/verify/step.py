@@ -48,6 +48,6 @@ def build_step(case: Any) -> StepParts:
 
 def leaf_path(key_path: Sequence[Any]) -> str:
     """A state leaf's path as the goldens write it."""
-    from sharding_dump.zoo import state
+    from sharding_dump.core.layout import path_text
 
-    return state.path_text(key_path)
+    return path_text(key_path)
