@@ -5,7 +5,7 @@
     python tools/bench.py --cases 3  # the first three
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
-    python tools/bench.py --suite    # the README's test command (pytest -n 2): wall time, slowest tests
+    python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep): wall time, slowest tests
 
 Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case;
@@ -84,20 +84,27 @@ def bench_verify(cases) -> None:
         print(f"{case.label:<92} {wall:>7.1f} {float(cpu):>7.1f} {peak:>9.0f} {status:>7}", flush=True)
 
 
+SUITE_STEPS = (("default suite", []), ("compile checks", ["-m", "compile"]), ("sweeps", ["-m", "sweep"]))
+
+
 def bench_suite(workers: int) -> None:
-    """Wall time of the whole test suite as the README runs it, and its slowest tests (pytest's
-    --durations); printed, not asserted."""
-    command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider", "--durations=15"]
-    print(f"{' '.join(['python', *command[1:]])}  ({os.cpu_count()} cores, python {sys.version.split()[0]})", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - start
-    lines = proc.stdout.splitlines()
-    durations = [i for i, line in enumerate(lines) if "slowest" in line and "durations" in line]
-    if durations:
-        print("\n".join(line for line in lines[durations[0]:] if line.strip() and not line.startswith("=" * 5)))
-    print(f"{lines[-1] if lines else ''}")
-    print(f"{'test suite (pytest -n ' + str(workers) + ')':<92} {wall:>7.2f} s wall, exit {proc.returncode}")
+    """Wall time of each step CI runs on the pinned stack: the README's test command, then the compile
+    checks and the sweeps, with the default suite's slowest tests (pytest's --durations); printed, not
+    asserted."""
+    print(f"({os.cpu_count()} cores, python {sys.version.split()[0]})", flush=True)
+    for name, marks in SUITE_STEPS:
+        command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider", *marks]
+        if not marks:
+            command.append("--durations=15")
+        start = time.perf_counter()
+        proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - start
+        lines = proc.stdout.splitlines()
+        durations = [i for i, line in enumerate(lines) if "slowest" in line and "durations" in line]
+        if durations:
+            print("\n".join(line for line in lines[durations[0]:-1] if line.strip() and not line.startswith("=" * 5)))
+        print(f"{name + ': python ' + ' '.join(command[1:]):<92} {wall:>7.2f} s wall, exit {proc.returncode}: "
+              f"{lines[-1].strip('= ') if lines else ''}", flush=True)
 
 
 def main() -> None:
