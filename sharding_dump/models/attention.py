@@ -1,7 +1,8 @@
 """Causal softmax attention: grouped heads, a value width of its own (MLA), an optional sliding
 window, optional per-head attention sinks (gpt-oss) and an optional logit soft cap (Gemma 2).
 
-`jax.nn.dot_product_attention` covers none of these, so the score matrix is written out.
+`jax.nn.dot_product_attention` covers none of these (and computes its scores in float32), so the
+score matrix is written out.
 
 >>> import jax.numpy as jnp
 >>> q = jnp.ones((1, 4, 8, 16)); k = jnp.ones((1, 4, 2, 16)); v = jnp.ones((1, 4, 2, 12))
@@ -33,12 +34,21 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
     `sliding_window` > 0 lets a position see only the last `sliding_window` positions; `sinks`
     (heads,) adds one extra logit per head that takes probability mass but contributes no value;
     `soft_cap` > 0 bounds the logits smoothly to (-soft_cap, soft_cap) (Gemma 2); `selected` (b, t, s)
-    lets query t see only the keys chosen for it (DeepSeek's sparse attention indexer)."""
+    lets query t see only the keys chosen for it (DeepSeek's sparse attention indexer).
+
+    Computed as MaxText's dot-product attention in training with its defaults `float32_qk_product`
+    and `float32_logits` false: scores, mask, softmax and weighted values all in the query's dtype,
+    the values weighted by the unnormalised exponentials and divided by their sum afterwards. A
+    bfloat16 step so holds its (b, kv_heads, group, t, s) scores in bfloat16, as MaxText's does: in
+    float32 they would double the largest buffers of a compiled step."""
     batch, length, heads, _ = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
+    dtype = query.dtype
+    if scale != 1.0:
+        query = query * jnp.asarray(scale, dtype)  # MaxText folds the scale into the query's kernel
     q = query.reshape(batch, length, kv_heads, group, query.shape[-1])
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32) * scale
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, key.astype(dtype))
     if soft_cap:
         logits = jnp.tanh(logits / soft_cap) * soft_cap
     positions = jnp.arange(length)
@@ -47,12 +57,12 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
         visible &= positions[None, :] > positions[:, None] - sliding_window
     if selected is not None:
         visible = visible & selected[:, None, None]
-    logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(visible, logits, jnp.finfo(dtype).min)
     if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, group, 1, 1),
-                                logits.shape[:-1] + (1,))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    else:
-        probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
+        sink = jnp.broadcast_to(sinks.astype(dtype).reshape(kv_heads, group, 1, 1), logits.shape[:-1] + (1,))
+        logits = jnp.concatenate([logits, sink], axis=-1)
+    exps = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    total = jnp.moveaxis(exps.sum(axis=-1, keepdims=True), 3, 1)  # (b, t, kv_heads, group, 1)
+    out = jnp.einsum("bkgts,bskd->btkgd", exps[..., :length].astype(value.dtype), value)
+    out = out / total.astype(out.dtype)
     return out.reshape(batch, length, heads, value.shape[-1])

@@ -108,11 +108,8 @@ class Attention(nn.Module):
         q = constrain(q, QKV, "query")
         k = constrain(k, QKV, "key")
         v = constrain(v, QKV, "value")
-        if self.sliding_window or cfg.attn_logits_soft_cap:
-            out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window,
-                                   soft_cap=cfg.attn_logits_soft_cap)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window,
+                               soft_cap=cfg.attn_logits_soft_cap)
         out = constrain(out, ATTENTION_OUT, "attention_out")
         return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
 

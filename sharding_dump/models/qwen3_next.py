@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
-from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV
+from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.decoder import DecoderLM, LayerCycle
 from sharding_dump.models.dense import MlpBlock, l2_normed
@@ -125,7 +125,7 @@ class GatedAttention(nn.Module):
         q = jnp.concatenate([apply_rotary(q[..., :rotated], positions, cfg), q[..., rotated:]], axis=-1)
         k = jnp.concatenate([apply_rotary(k[..., :rotated], positions, cfg), k[..., rotated:]], axis=-1)
         q, k, v = (constrain(t, QKV, name) for t, name in ((q, "query"), (k, "key"), (v, "value")))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        out = causal_attention(q, k, v, scale=dim**-0.5)
         out = constrain(out * jax.nn.sigmoid(gate), ATTENTION_OUT, "attention_out")
         flat = out.reshape(out.shape[:2] + (-1,))
         return Dense(cfg, (x.shape[-1],), ("mlp",), ("embed",), name="out")(flat)

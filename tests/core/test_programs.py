@@ -13,6 +13,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
@@ -22,6 +23,7 @@ import sharding_dump as sd
 from helpers import REPO, assert_bad_input
 from sharding_dump.commands import cli
 from sharding_dump.core import capture
+from sharding_dump.core.step import token_loss
 
 LM1B_ARGS = ["--topology", "cpu-8", "--rule", "examples/lm1b_rules.yml", "ici_fsdp_parallelism=4",
              "ici_tensor_parallelism=2", "per_device_batch_size=2", "max_target_length=64"]
@@ -316,6 +318,18 @@ def test_program_failures_are_one_line(tmp_path, capsys, monkeypatch, factory, m
     rules.write_text("mesh_axes: [data]\nlogical_axis_rules:\n  - [batch, data]\n")
     assert_bad_input(tmp_path, capsys, f"--model {module}:{factory} --topology cpu-2 --rule {rules} "
                                        "ici_data_parallelism=2 per_device_batch_size=8 max_target_length=64", message)
+
+
+def test_token_loss_and_its_gradient_are_cross_entropy():
+    """The step's loss (a custom gradient, so XLA keeps no float32 copy of the logits) against optax's."""
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 7)).astype(jnp.bfloat16)
+    targets = jnp.array([[1, 2, 6], [0, 0, 5]])
+    ours = jax.value_and_grad(lambda x: token_loss(x, targets))(logits)
+    reference = jax.value_and_grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(
+        x.astype(jnp.float32), targets).mean())(logits)
+    assert ours[1].dtype == jnp.bfloat16
+    for got, want in zip(ours, reference):
+        assert jnp.allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=1e-3)
 
 
 @pytest.mark.compile
