@@ -7,6 +7,7 @@ import pytest
 from helpers import REPO
 from sharding_dump.commands import check
 from sharding_dump.commands.cli import main
+from sharding_dump.core.specs import entry_axes
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import case_layouts
@@ -119,12 +120,12 @@ def test_the_deciding_rule_gives_the_resolved_spec(case):
             resolved = t.partition_spec[dim] if dim < len(t.partition_spec) else None
             if setup.values["shard_optimizer_over_data"] and ("/mu/" in t.path or "/nu/" in t.path):
                 # ZeRO-1 adds `data` to the moments on top of what the rules decide.
-                kept = tuple(a for a in rules.axes_of(resolved) if a != "data")
+                kept = tuple(a for a in entry_axes(resolved) if a != "data")
                 resolved = kept[0] if len(kept) == 1 else (kept or None)
             if index is None:
                 assert resolved is None, (t.path, dim)
             else:
-                assert rules.axes_of(table[index][1]) == rules.axes_of(resolved), (t.path, dim, table[index])
+                assert entry_axes(table[index][1]) == entry_axes(resolved), (t.path, dim, table[index])
                 assert table[index][0] == name
 
 
