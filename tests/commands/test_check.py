@@ -175,7 +175,14 @@ def test_memory_above_hbm():
     assert not check.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
 
 
-def test_a_logical_name_nothing_uses(tmp_path):
+@pytest.mark.parametrize("cards", ["three", pytest.param("every", marks=pytest.mark.sweep)])
+def test_a_logical_name_nothing_uses(tmp_path, monkeypatch, cards):
+    """A name no card carries is only known after tracing every kind of card (29, ~10 s): by default
+    three cards stand for them, the sweep traces all."""
+    if cards == "three":
+        from sharding_dump import models
+        three = tuple(models.load_config(name) for name in ("llama2-7b", "qwen3-0.6b", "deepseek2-16b"))
+        monkeypatch.setattr(check, "_card_kinds", lambda: three)
     rule = tmp_path / "tp.yml"
     rule.write_text("mesh_axes: [data, tensor]\nlogical_axis_rules:\n  - [embbed, tensor]\n"
                     "  - [mlp, tensor]\n  - [vocab, tensor]\n  - [heads, [tensor]]\n  - [cache_batch, []]\n")
