@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from sharding_dump.commands import cli
 from sharding_dump.golden import codec
-from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
 from sharding_dump.zoo.rules import load_rule
 from sharding_dump.zoo.settings import parse_overrides, resolve
@@ -30,6 +31,14 @@ def sweep_beyond_first(items: Iterable[Any], kind: Callable[[Any], Hashable] = l
         out.append(item if key not in seen else pytest.param(item, marks=pytest.mark.sweep))
         seen.add(key)
     return out
+
+
+@functools.cache
+def matrix_setups() -> dict:
+    """Every case of the matrix set up (values, mesh plan, rule set, model config, pipeline), by label:
+    made once per test process for all the modules that read it."""
+    from sharding_dump.zoo.dump import setup_case
+    return {case.label: setup_case(case) for case in load_matrix()}
 
 
 def mesh_plan(rule: str, topology: str, num_slices: int = 1, **overrides: object) -> MeshPlan:

@@ -30,7 +30,8 @@ from typing import Any, Mapping
 
 from jax.sharding import PartitionSpec
 
-from sharding_dump.core import specs
+from sharding_dump.core import layout, specs
+from sharding_dump.core.specs import entry_axes
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.mesh import MeshPlan
@@ -63,7 +64,7 @@ class BatchPlan:
 def _check_even(what: str, spec: PartitionSpec, shape: tuple[int, int], sizes: Mapping[str, int]) -> None:
     labels = ("global batch {} (per_device_batch_size x devices)", "max_target_length={}")
     for dim, (label, length) in enumerate(zip(labels, shape)):
-        axes = rules.axes_of(spec[dim] if dim < len(spec) else None)
+        axes = entry_axes(spec[dim] if dim < len(spec) else None)
         ways = math.prod(sizes[a] for a in axes)
         if length % ways:
             split = " x ".join(f"{a}={sizes[a]}" for a in axes if sizes[a] != 1)
@@ -91,5 +92,5 @@ def plan_batch(rule_set: rules.RuleSet, plan: MeshPlan, values: Mapping[str, Any
     if not logical:
         return BatchPlan(per_device, shape[0], shape[1], None, pipeline)
     _check_even(f"the input layout ({', '.join(logical)})",
-                rules.to_mesh_axes(logical, rule_set.logical_axis_rules), shape, sizes)
+                layout.resolve(logical, rule_set), shape, sizes)
     return BatchPlan(per_device, shape[0], shape[1], (logical[0], logical[1]), pipeline)

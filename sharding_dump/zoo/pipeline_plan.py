@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from sharding_dump.core.layout import resolve
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import STAGE_AXIS, STAGE_LOGICAL, PipelineConfig
 from sharding_dump.zoo import rules as rules_mod
@@ -43,7 +44,7 @@ def plan_pipeline(values: Mapping[str, Any], plan: MeshPlan, rule_set: rules_mod
         raise BadInput(f"stage axis of size {stages}: the model's decoder has no layer stack a pipeline can cut "
                        f"into stages (size the stage axis 1)")
     for logical in (STAGE_LOGICAL, "activation_stage"):
-        spec = rules_mod.to_mesh_axes((logical,), rule_set.logical_axis_rules)
+        spec = resolve((logical,), rule_set)
         if spec[0] not in (STAGE_AXIS, (STAGE_AXIS,)):
             raise BadInput(f"rule '{rule_set.name}': a pipeline needs logical axis '{logical}' on mesh axis 'stage' "
                            f"(got {spec[0]!r})")

@@ -6,7 +6,8 @@ its `mesh_axes`. Logical specs are resolved with flax's own resolver, so precede
 behave exactly as in training:
 
 >>> rules = load_rule("pure-fsdp")
->>> to_mesh_axes(("embed", "mlp"), rules.logical_axis_rules)
+>>> from sharding_dump.core.layout import resolve
+>>> resolve(("embed", "mlp"), rules)
 P('fsdp', None)
 """
 
@@ -18,14 +19,11 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import flax.linen as nn
 from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
-from jax.sharding import PartitionSpec
 
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.layout import PathRule, match_path_rule
-from sharding_dump.core.specs import entry_axes as axes_of  # noqa: F401  (the one spec-entry normaliser)
-from sharding_dump.core.specs import rule_axes
+from sharding_dump.core.specs import entry_axes, rule_axes
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.golden.engine import display
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
@@ -112,7 +110,7 @@ def load_rule(ref: str) -> RuleSet:
         raise BadInput(f"{where}: give logical_axis_rules (logical names to mesh axes), partition_rules (parameter "
                        "path regexes to partition specs), or both")
     for index, (name, axes) in enumerate(rules):
-        for axis in axes_of(axes):
+        for axis in entry_axes(axes):
             if axis not in mesh_axes:
                 raise BadInput(f"{where}: field logical_axis_rules/{index} ({name}): mesh axis {axis!r} "
                                f"is not in mesh_axes [{', '.join(mesh_axes)}]")
@@ -163,7 +161,7 @@ def _partition_rules(path: Path, entries: list[Any], mesh_axes: tuple[str, ...])
         if isinstance(spec, dict):
             out.append(PathRule(pattern, logical=tuple(spec["logical"]), where=origin))
             continue
-        for axis in (a for entry in spec for a in axes_of(entry)):
+        for axis in (a for entry in spec for a in entry_axes(entry)):
             if axis not in mesh_axes:
                 raise BadInput(f"{where}: field partition_rules/{index} ({shown(pattern)}): mesh axis {axis!r} is not "
                                f"in mesh_axes [{', '.join(mesh_axes)}]")
@@ -188,7 +186,7 @@ def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source
     lines = yaml_item_lines(source, "logical_axis_rules") if source is not None else []
     extra, extra_origins = [], []
     for index, (name, axes) in enumerate(overrides):
-        if all(a in rule_set.mesh_axes for a in axes_of(rule_axes(axes))):
+        if all(a in rule_set.mesh_axes for a in entry_axes(rule_axes(axes))):
             extra.append((name, rule_axes(axes)))
             if index < len(lines):
                 extra_origins.append((source, lines[index]))
@@ -222,11 +220,6 @@ def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) ->
         if name == names[dim] and spmd._logical_to_mesh_axes(names, rules[: index + 1])[dim] is not spmd._unassigned_axis:
             return index
     return None
-
-
-def to_mesh_axes(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
-    """The physical PartitionSpec of one logical spec, by flax's resolver."""
-    return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
 
 
 # A state leaf as the lints below read it, from a golden document or a layout: path, shape, logical axes.
@@ -277,7 +270,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         # pipeline's layout, or a constraint given in mesh axes, is placed without them).
         ruled = [entry for entry in tensors if any(name is not None for name in entry.get("logical_axes", ()))
                  or entry.get("pass") is None]
-        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in axes_of(dim)}
+        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in entry_axes(dim)}
         if not any(sizes.get(axis, 1) > 1 for axis in used):
             mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
             warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "

@@ -35,11 +35,13 @@ from sharding_dump.core.layout import (
     PartitionRuleError,
     TensorLayout,
     is_box,
+    resolve,
     typed_layouts,
     unbox,
 )
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
+from sharding_dump.core.specs import entry_axes
 from sharding_dump.core.state import (
     abstract_key,
     abstract_train_state,
@@ -83,15 +85,15 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) 
     split evenly is refused (BadInput), as MaxText cannot shard it."""
     entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
     for dim, (size, entry) in enumerate(zip(shape, entries)):
-        shards = math.prod(sizes[a] for a in rules.axes_of(entry))
+        shards = math.prod(sizes[a] for a in entry_axes(entry))
         if size % shards:
             raise BadInput(f"shard_optimizer_over_data=true: a dimension of size {size} (shape {tuple(shape)}) "
-                           f"does not split evenly over {'x'.join(rules.axes_of(entry))} ({shards} shards); ZeRO-1 "
+                           f"does not split evenly over {'x'.join(entry_axes(entry))} ({shards} shards); ZeRO-1 "
                            f"needs even splits of the optimizer state")
-    if any(DATA_AXIS in rules.axes_of(e) for e in entries):
+    if any(DATA_AXIS in entry_axes(e) for e in entries):
         return spec
     for dim, (size, entry) in enumerate(zip(shape, entries)):
-        axes = rules.axes_of(entry)
+        axes = entry_axes(entry)
         shard = size // math.prod(sizes[a] for a in axes)
         if shard % sizes[DATA_AXIS] == 0 and TENSOR_AXIS not in axes:
             entries[dim] = (DATA_AXIS,) + axes
@@ -130,7 +132,7 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
     def place(box: nn.Partitioned | jax.Array, over: bool = False) -> nn.Partitioned | jax.Array:
         if not is_box(box):  # a parameter without logical axes (Qwen3-Next's decay) stays replicated
             return box
-        spec = rules.to_mesh_axes(box.names, rule_set.logical_axis_rules)
+        spec = resolve(box.names, rule_set)
         if over:
             spec = over_data(spec, box.value.shape, plan.sizes)
         return box.replace_boxed(jax.sharding.reshard(box.value, NamedSharding(mesh, spec)))

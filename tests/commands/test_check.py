@@ -7,6 +7,7 @@ import pytest
 from helpers import REPO
 from sharding_dump.commands import check
 from sharding_dump.commands.cli import main
+from sharding_dump.core.specs import entry_axes
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import case_layouts
@@ -119,12 +120,12 @@ def test_the_deciding_rule_gives_the_resolved_spec(case):
             resolved = t.partition_spec[dim] if dim < len(t.partition_spec) else None
             if setup.values["shard_optimizer_over_data"] and ("/mu/" in t.path or "/nu/" in t.path):
                 # ZeRO-1 adds `data` to the moments on top of what the rules decide.
-                kept = tuple(a for a in rules.axes_of(resolved) if a != "data")
+                kept = tuple(a for a in entry_axes(resolved) if a != "data")
                 resolved = kept[0] if len(kept) == 1 else (kept or None)
             if index is None:
                 assert resolved is None, (t.path, dim)
             else:
-                assert rules.axes_of(table[index][1]) == rules.axes_of(resolved), (t.path, dim, table[index])
+                assert entry_axes(table[index][1]) == entry_axes(resolved), (t.path, dim, table[index])
                 assert table[index][0] == name
 
 
@@ -174,7 +175,14 @@ def test_memory_above_hbm():
     assert not check.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
 
 
-def test_a_logical_name_nothing_uses(tmp_path):
+@pytest.mark.parametrize("cards", ["three", pytest.param("every", marks=pytest.mark.sweep)])
+def test_a_logical_name_nothing_uses(tmp_path, monkeypatch, cards):
+    """A name no card carries is only known after tracing every kind of card (29, ~10 s): by default
+    three cards stand for them, the sweep traces all."""
+    if cards == "three":
+        from sharding_dump import models
+        three = tuple(models.load_config(name) for name in ("llama2-7b", "qwen3-0.6b", "deepseek2-16b"))
+        monkeypatch.setattr(check, "_card_kinds", lambda: three)
     rule = tmp_path / "tp.yml"
     rule.write_text("mesh_axes: [data, tensor]\nlogical_axis_rules:\n  - [embbed, tensor]\n"
                     "  - [mlp, tensor]\n  - [vocab, tensor]\n  - [heads, [tensor]]\n  - [cache_batch, []]\n")

@@ -169,7 +169,7 @@ def test_gemma_needs_explicit_mode(tmp_path, capsys, monkeypatch):
 
 # --- plain and typed constraints --------------------------------------------------------------------------
 
-MESH = AbstractMesh((2, 2), ("data", "model"))
+MESH = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)  # jax 0.12: Explicit unless said
 EXPLICIT = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 
 

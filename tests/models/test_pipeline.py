@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, assert_bad_input, committed_golden, run_cli, sweep_beyond_first
+from helpers import REPO, assert_bad_input, committed_golden, matrix_setups, run_cli, sweep_beyond_first
 from sharding_dump import models
 from sharding_dump.core import capture as activations
 from sharding_dump.core.state import parameter_count
@@ -20,7 +20,7 @@ from sharding_dump.zoo.dump import setup_case, trace_case
 from sharding_dump.zoo.pipeline_plan import check_batch
 
 MATRIX = load_matrix()
-SETUPS = {case.label: setup_case(case) for case in MATRIX}
+SETUPS = matrix_setups()
 PIPELINE_CASES = [c for c in MATRIX if SETUPS[c.label].pipeline is not None]
 
 

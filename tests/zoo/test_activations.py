@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 from helpers import REPO
 from sharding_dump.core import capture as activations
 from sharding_dump.core.capture import constrain
+from sharding_dump.core.layout import resolve
 from sharding_dump.core.step import BATCH_FIELDS
 from sharding_dump.errors import BadInput
-from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import (
     abstract_state_of,
@@ -55,7 +55,7 @@ def test_constraints_forward_backward_and_rule_resolution(qwen_trace):
     assert set(backward) == {k for k, c in forward.items() if c.dtype == "bfloat16"}
     assert {k for k, c in forward.items() if c.dtype == "int32"} == set(BATCH_FIELDS)
     for key, c in found.items():
-        assert c.partition_spec == rules.to_mesh_axes(c.logical_axes, setup.rule_set.logical_axis_rules), key
+        assert c.partition_spec == resolve(c.logical_axes, setup.rule_set), key
         assert c.dtype in ("bfloat16", "int32"), key
     assert forward["decoder/layers/mlp/mlp_hidden"].partition_spec[2] == ("tensor", "tensor_sequence")
 

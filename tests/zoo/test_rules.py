@@ -5,6 +5,7 @@ import json
 import pytest
 
 from helpers import REPO
+from sharding_dump.core.layout import resolve
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import SCHEMAS_DIR, schema_validator
 from sharding_dump.zoo import rules
@@ -35,7 +36,7 @@ def test_schemas_are_valid(schema):
 def test_flax_resolver_fallbacks():
     # default has two `embed` rules: the first wants fsdp_transpose, taken by `mlp` first -> fallback.
     r = rules.load_rule("default")
-    spec = rules.to_mesh_axes(("embed", "mlp"), r.logical_axis_rules)
+    spec = resolve(("embed", "mlp"), r)
     assert spec[0] == ("fsdp", "context", "context_usp_ulysses", "expert")
     assert spec[1] == ("fsdp_transpose", "tensor", "tensor_sequence", "autoregressive")
 

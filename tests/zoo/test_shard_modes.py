@@ -5,15 +5,15 @@ import json
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_bad_input, committed_golden, sweep_beyond_first
+from helpers import assert_bad_input, committed_golden, matrix_setups, sweep_beyond_first
 from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import check_document
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
-from sharding_dump.zoo.dump import render_case, setup_case
+from sharding_dump.zoo.dump import render_case
 
 MATRIX = load_matrix()
-SETUPS = {case.label: setup_case(case) for case in MATRIX}
+SETUPS = matrix_setups()
 ZERO1_CASES = [c for c in MATRIX if SETUPS[c.label].values["shard_optimizer_over_data"]]
 AUTO_CASES = [c for c in MATRIX if not SETUPS[c.label].explicit]
 EXPLICIT_CASES = [c for c in MATRIX if SETUPS[c.label].explicit]
