@@ -108,8 +108,8 @@ def carried_by_a_model(names: set[str]) -> set[str]:
     """The names among `names` that some model card's parameters carry (an optimizer leaf carries its
     parameter's). Cards are traced one kind at a time, and only until every name is found.
 
-    >>> sorted(carried_by_a_model({"q_lora", "no_such_axis"}))
-    ['q_lora']
+    >>> sorted(carried_by_a_model({"q_lora", "embed"}))  # both on the first kind: one card traced
+    ['embed', 'q_lora']
     """
     missing, found = set(names), set()
     for cfg in _card_kinds():
