@@ -268,6 +268,11 @@ def _same(value: Any, default: Any) -> bool:
     return value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
+def keeps_default(config: ModelConfig, field: str) -> bool:
+    """True when the card behind `config` leaves `field` at its ModelConfig default (does not set it)."""
+    return _same(getattr(config, field), _default(field))
+
+
 def check_card_block(card: dict[str, Any], where: str) -> None:
     """Every field the card sets must be honoured by its decoder block (or be at its default), the
     block's required fields present and its paired fields equal: else BadInput naming the field."""

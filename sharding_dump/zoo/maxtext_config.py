@@ -406,14 +406,8 @@ def _zoo_value(config: ModelConfig, field: str) -> Any:
     return getattr(config, field)
 
 
-def _leaves_unset(config: ModelConfig, field: str) -> bool:
-    """True when the card does not set this field (it keeps the ModelConfig default)."""
-    default = {f.name: f.default for f in dataclasses.fields(config)}.get(field, dataclasses.MISSING)
-    return getattr(config, field) == default
-
-
 def _check_model(composed: Composed, table: KeyTable, card: str, config: ModelConfig) -> None:
-    from sharding_dump.models.config import honoured_fields
+    from sharding_dump.models.config import honoured_fields, keeps_default
 
     honoured = honoured_fields(config.decoder_block)
     problems = []
@@ -426,7 +420,7 @@ def _check_model(composed: Composed, table: KeyTable, card: str, config: ModelCo
             expected, source = by_block[config.decoder_block], f"decoder block '{config.decoder_block}' builds"
         elif spec.field in honoured:
             expected, source = _zoo_value(config, spec.field), f"model card {card} has {spec.field}"
-            if spec.has_neutral and same(value, spec.neutral) and _leaves_unset(config, spec.field):
+            if spec.has_neutral and same(value, spec.neutral) and keeps_default(config, spec.field):
                 continue  # the card leaves the feature off, as MaxText's neutral value does (gemma4-31b: no MoE)
         elif spec.has_neutral:
             expected = spec.neutral
