@@ -58,17 +58,16 @@ DATA_AXIS = "data"
 TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
 
 
-def abstract_params(cfg: models.ModelConfig) -> Any:
+def abstract_params(cfg: models.ModelConfig, pipeline: PipelineConfig | None = None) -> Any:
     """The boxed abstract parameters of a zoo model alone (no optimizer traced): enough to count them."""
-    return as_model(models.build_model(cfg)).abstract_params()
+    return as_model(models.build_model(cfg, pipeline)).abstract_params()
 
 
 def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | None = None,
                    pipeline: PipelineConfig | None = None) -> dict[str, Any]:
     """The boxed abstract state {'step', 'params', 'opt_state'} of a zoo model trained with `tx`
     (default: the core's AdamW), its layers pipelined by `pipeline`, via jax.eval_shape."""
-    return abstract_train_state(as_model(models.build_model(cfg, pipeline)).abstract_params(),
-                                tx or default_optimizer())
+    return abstract_train_state(abstract_params(cfg, pipeline), tx or default_optimizer())
 
 
 def is_optimizer_leaf(path: str) -> bool:
