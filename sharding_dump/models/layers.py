@@ -97,7 +97,9 @@ def activation(name: str, x: jax.Array) -> jax.Array:
 
 def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn.Module]:
     """`length` copies of a rematerialised `layer`, stacked by nn.scan with the layer dimension at
-    position 1 of every weight and named `layer_axis` in its logical spec."""
+    position 1 of every weight and named `layer_axis` in its logical spec. The layer broadcasts nothing
+    out, so flax's extra trace that proves broadcast outputs constant is skipped (one trace of the
+    layer per scan, not two)."""
     remat = nn.remat(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     return nn.scan(
         remat,
@@ -106,6 +108,7 @@ def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn
         in_axes=(nn.broadcast,),
         length=length,
         metadata_params={nn.PARTITION_NAME: layer_axis},
+        check_constancy_invariants=False,
     )
 
 
