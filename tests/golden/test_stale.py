@@ -2,8 +2,6 @@
 pytest-xdist, and removed (by one process) under --update-goldens."""
 
 import re
-import subprocess
-import sys
 import textwrap
 
 from sharding_dump.golden import stale
@@ -15,16 +13,17 @@ CASES = [Case.make(*args) for args in CASE_ARGS]
 
 
 def make_project(root):
-    """A tiny project that uses the plugin (by its entry point: no conftest): three cases whose golden folders exist, plus stale ones."""
+    """A tiny project that uses the plugin (by its entry point: no conftest): three cases whose golden
+    folders exist, plus stale ones. The cases are made in the test, so that only the xdist worker that
+    runs it imports the harness (and JAX)."""
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "test_tree.py").write_text(textwrap.dedent(f"""\
         import pytest
-        from sharding_dump.zoo.case import Case
-
-        CASES = [Case.make(*args) for args in {CASE_ARGS!r}]
 
         def test_no_stale_goldens(sharding_golden):
-            sharding_golden.check_stale(CASES)
+            from sharding_dump.zoo.case import Case
+
+            sharding_golden.check_stale([Case.make(*args) for args in {CASE_ARGS!r}])
 
         @pytest.mark.parametrize("n", range(4))
         def test_other(n):
@@ -42,9 +41,11 @@ def make_project(root):
     return ["golden/gone-model/", "golden/llama2-7b/notes.txt", "golden/llama2-7b/v5p-16/slice_1/rule_extra/"]
 
 
-def run_pytest(root, *args):
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+def run_pytest(pytester, *args):
+    """pytest in this process (pytester's in-process run); with -n 2 its two workers are processes of
+    their own, as in any xdist run."""
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q", *args)
+    return result.ret, "\n".join(result.outlines)
 
 
 def failure_block(output):
@@ -53,27 +54,27 @@ def failure_block(output):
     return match.group(0) if match else None
 
 
-def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(tmp_path):
-    stale_paths = make_project(tmp_path)
-    serial = run_pytest(tmp_path)
-    parallel = run_pytest(tmp_path, "-n", "2")
-    assert serial.returncode == parallel.returncode == 1, serial.stdout + parallel.stdout
-    report = failure_block(serial.stdout)
-    assert report is not None, serial.stdout
+def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(pytester):
+    root = pytester.path
+    stale_paths = make_project(root)
+    (serial_status, serial), (parallel_status, parallel) = run_pytest(pytester), run_pytest(pytester, "-n", "2")
+    assert serial_status == parallel_status == 1, serial + parallel
+    report = failure_block(serial)
+    assert report is not None, serial
     assert report.splitlines()[1:4] == [f"    {p}" for p in stale_paths]
-    assert failure_block(parallel.stdout) == report
-    assert "FAILED test_tree.py::test_no_stale_goldens" in serial.stdout
-    assert "FAILED test_tree.py::test_no_stale_goldens" in parallel.stdout
-    assert "1 failed, 4 passed" in serial.stdout and "1 failed, 4 passed" in parallel.stdout
+    assert failure_block(parallel) == report
+    assert "FAILED test_tree.py::test_no_stale_goldens" in serial
+    assert "FAILED test_tree.py::test_no_stale_goldens" in parallel
+    assert "1 failed, 4 passed" in serial and "1 failed, 4 passed" in parallel
 
-    updated = run_pytest(tmp_path, "-n", "2", "--update-goldens")
-    assert updated.returncode == 0, updated.stdout
+    updated_status, updated = run_pytest(pytester, "-n", "2", "--update-goldens")
+    assert updated_status == 0, updated
     # what the worker did reaches the controller's summary line
-    assert "sharding-dump goldens: 0 updated, 0 created, 0 unchanged, 3 deleted" in updated.stdout
-    assert not any((tmp_path / p.rstrip("/")).exists() for p in stale_paths)
+    assert "sharding-dump goldens: 0 updated, 0 created, 0 unchanged, 3 deleted" in updated
+    assert not any((root / p.rstrip("/")).exists() for p in stale_paths)
     for case in CASES:
-        assert (golden_dir(case, tmp_path / "golden") / "named_shardings.json").is_file()
-    assert stale.stale_paths(tmp_path / "golden", [golden_dir(c, tmp_path / "golden") for c in CASES]) == []  # the next run passes
+        assert (golden_dir(case, root / "golden") / "named_shardings.json").is_file()
+    assert stale.stale_paths(root / "golden", [golden_dir(c, root / "golden") for c in CASES]) == []  # the next run passes
 
 
 def test_stale_paths_are_the_largest_unclaimed_ones(tmp_path):
