@@ -68,7 +68,8 @@ def test_bad_rule_file_names_file_and_field(tmp_path, capsys):
 # pipelined): the plugin's tests already compare every case with its golden in the pytest process
 # (under pytest's own random hash seed); this runs `--all` in a fresh process under a fixed
 # non-default hash seed, on few cases, so the matrix runs once. The pipelined case is the cheapest
-# of the matrix (two stages; the circular one traces for 3 s and adds no code that iterates a set).
+# of the matrix (two stages; the circular one traces for 3 s, and its golden test runs under a
+# random seed anyway).
 DETERMINISM_CASES = """\
 cases:
   - {model: qwen3-0.6b, topology: a3, num_slices: 2, rule: default}
