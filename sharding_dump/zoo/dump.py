@@ -72,12 +72,13 @@ class CaseSetup:
         """The abstract mesh the training step is traced on."""
         return self.plan.abstract_mesh(explicit=self.step_explicit)
 
-    def __hash__(self) -> int:
-        # Everything here is immutable but the settings dict: equal setups trace equal steps, so a
-        # process traces each one once (see trace_activations).
-        return hash((self.case, self.topology, self.rule_set, tuple(sorted(self.values.items())), self.plan,
-                     self.config, self.batch, self.pipeline))
-
+    def step_inputs(self) -> tuple[Any, ...]:
+        """Everything the traced training step depends on: setups that agree on it trace the same step,
+        once per process (a card's explicit-mode case and its auto twin agree: the zoo's step runs on
+        the Auto mesh)."""
+        factory = self.case.model if self.config is None else None
+        return (factory, self.config, self.pipeline, self.optimizer, self.batch, self.plan, self.rule_set,
+                self.step_explicit)
 
 
 def setup_case(case: Case) -> CaseSetup:
@@ -317,11 +318,21 @@ def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
                  mesh=setup.step_mesh(), rules=setup.rule_set)
 
 
-@functools.lru_cache(maxsize=CASES_PER_PROCESS)
 def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
     """Every activation constraint of one training step of the case's model on its mesh (traced once
-    per process for equal setups: the golden dump and `check` of one case share it)."""
-    return tuple(read_constraints(*trace_case(setup)))
+    per process for setups with equal step inputs: the golden dump and `check` of a case share it)."""
+    return _recorded(_StepOf(setup.step_inputs(), setup))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepOf:
+    inputs: tuple[Any, ...]  # the cache key
+    setup: CaseSetup = dataclasses.field(compare=False)
+
+
+@functools.lru_cache(maxsize=CASES_PER_PROCESS)
+def _recorded(step: _StepOf) -> tuple[Constraint, ...]:
+    return tuple(read_constraints(*trace_case(step.setup)))
 
 
 def render_case(case: Case) -> dict[str, bytes]:
