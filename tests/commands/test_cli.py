@@ -13,7 +13,8 @@ from sharding_dump.zoo.goldens import check_or_update
 
 def test_dump_one_case(tmp_path, capsys):
     """In this process: a fresh process is what the hash-seed test below runs."""
-    assert main(["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp", "--output-dir", str(tmp_path)]) == 0
+    assert main(["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp",
+                 "--output-dir", str(tmp_path)]) == 0
     folder = tmp_path / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp"
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out.startswith(f"{folder}/: wrote activation_shardings.json, "), captured

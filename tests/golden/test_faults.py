@@ -22,7 +22,6 @@ import pytest
 from sharding_dump.golden import store
 from sharding_dump.zoo import goldens
 from sharding_dump.zoo.case import Case, golden_dir
-from sharding_dump.zoo.goldens import check_or_update
 
 REPO = Path(__file__).resolve().parents[2]
 CASE_ARGS = [("qwen3-0.6b", "tpu7x-16", "default"), ("llama2-7b", "v5p-16", "pure-fsdp")]  # two quick traces
@@ -97,7 +96,7 @@ def check_killed_tree(root: Path, fresh: dict[Case, dict[str, bytes]]) -> list[s
         assert found in (OLD, fresh[case]), (case.label, sorted(found or {}))
         after_kill.append("new" if found == fresh[case] else "old")
     for case in CASES:
-        check_or_update(case, root, update=True)
+        goldens.check_or_update(case, root, update=True)
         assert state(golden_dir(case, root)) == fresh[case]
     assert temps(root) == []
     return after_kill
@@ -130,7 +129,8 @@ def pytest_project(tmp_path: Path) -> Path:
 def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path, monkeypatch):
     fresh = {case: state(golden_dir(case, REPO / "golden")) for case in CASES}
     case_file = tmp_path / "cases.yml"
-    case_file.write_text("cases:\n" + "".join(f"  - {{model: {m}, topology: {t}, rule: {r}}}\n" for m, t, r in CASE_ARGS))
+    case_file.write_text("cases:\n" + "".join(f"  - {{model: {m}, topology: {t}, rule: {r}}}\n"
+                                               for m, t, r in CASE_ARGS))
     project = pytest_project(tmp_path)
     # Step 9: between the second and third file of the second case, the first case done (the library
     # test above kills at every step).
@@ -139,8 +139,8 @@ def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path, 
         root = tmp_path / f"cli{point}"
         plant_old(root)
         env = {**os.environ, "PYTHONPATH": str(REPO), store.FAULT_ENV: str(point)}
-        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.cli", "--all", "--cases", str(case_file),
-                                       "--output-dir", str(root)],
+        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.cli", "--all",
+                                       "--cases", str(case_file), "--output-dir", str(root)],
                                       env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     plant_old(project / "golden")
     env = {**os.environ, "PYTHONPATH": str(REPO), store.FAULT_ENV: "4"}

@@ -74,7 +74,8 @@ def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(pyte
     assert not any((root / p.rstrip("/")).exists() for p in stale_paths)
     for case in CASES:
         assert (golden_dir(case, root / "golden") / "named_shardings.json").is_file()
-    assert stale.stale_paths(root / "golden", [golden_dir(c, root / "golden") for c in CASES]) == []  # the next run passes
+    # the next run passes
+    assert stale.stale_paths(root / "golden", [golden_dir(c, root / "golden") for c in CASES]) == []
 
 
 def test_stale_paths_are_the_largest_unclaimed_ones(tmp_path):
