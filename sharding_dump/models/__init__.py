@@ -1,9 +1,10 @@
-"""Model registry: a card's `decoder_block` picks the Flax module that builds it (`data/blocks.yml`,
-or a family an installed package registers through the `sharding_dump.families` entry-point group).
+"""Model registry: a card's `decoder_block` picks the Flax module that builds it (the DecoderLM
+subclass of a module here that names that block, or a family an installed package registers through
+the `sharding_dump.families` entry-point group).
 
 >>> cfg = load_config("qwen3-0.6b")
 >>> type(build_model(cfg)).__name__
-'DenseDecoderLM'
+'Qwen3DecoderLM'
 >>> pipelined_stack_length(cfg)
 28
 """

@@ -1,7 +1,7 @@
 """Model cards: hyperparameters as data (`data/models/<name>.yml`), loaded into a frozen ModelConfig.
 
 A card is checked against `data/schemas/model-card.schema.json`; its keys are ModelConfig's fields.
-Its `decoder_block` names a block of `data/blocks.yml` (or one an installed package registers), and
+Its `decoder_block` names a family module's block (or one an installed package registers), and
 every field the card sets away from its default must be one that block honours: a card cannot
 describe one model and build another. Settings that belong to the run rather than the model (weight
 dtype) are filled in by :func:`load_config`.
@@ -23,6 +23,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,30 +101,62 @@ class Block:
 
 
 @functools.cache
-def _shipped_blocks() -> tuple[frozenset[str], dict[str, Block]]:
+def _common_fields() -> frozenset[str]:
+    """The card fields every decoder block reads (data/blocks.yml)."""
     data = load_yaml(BLOCKS_FILE, "decoder blocks")
     validate(data, "blocks", f"decoder blocks {BLOCKS_FILE}")
-    blocks = {name: Block(name, spec["module"], frozenset(spec["fields"]), tuple(spec.get("required", ())),
-                          tuple((a, b) for a, b in spec.get("equal", ())))
-              for name, spec in data["blocks"].items()}
+    return frozenset(data["common"])
+
+
+@functools.cache
+def _shipped_blocks() -> dict[str, Block]:
+    """The blocks of this package: each DecoderLM subclass of its model modules that names its
+    `decoder_block` (a new family is its module and a card)."""
+    import pkgutil
+
+    from sharding_dump import models
+    from sharding_dump.models.decoder import DecoderLM
+
+    for module in pkgutil.iter_modules(models.__path__):
+        importlib.import_module(f"{models.__name__}.{module.name}")
+    blocks: dict[str, Block] = {}
+    families, seen = [DecoderLM], set()
+    while families:
+        family = families.pop()
+        families += [c for c in family.__subclasses__() if c not in seen and c.__module__.startswith(models.__name__)]
+        seen.add(family)
+        name = vars(family).get("decoder_block")
+        if name is None:
+            continue
+        where = f"{family.__module__}:{family.__qualname__}"
+        if name in blocks:
+            raise BadInput(f"decoder block {name!r}: named by both {blocks[name].module} and {where}")
+        blocks[name] = Block(name, where, frozenset(family.card_fields), tuple(family.required_fields),
+                             tuple(family.equal_fields))
     known = {f.name for f in dataclasses.fields(ModelConfig)} | {"description"}
     for block in blocks.values():
         named = block.fields | set(block.required) | {f for pair in block.equal for f in pair}
         for field in sorted(named - known):
-            raise BadInput(f"decoder blocks {BLOCKS_FILE}: block {block.name}: {field!r} is no model-card field "
+            raise BadInput(f"decoder block {block.name} ({block.module}): {field!r} is no model-card field "
                            f"(data/schemas/model-card.schema.json declares them)")
-    return frozenset(data["common"]), blocks
+    return dict(sorted(blocks.items()))
 
 
-def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
-    """The installed entry points of `group`, by name (read afresh: sys.path may have grown)."""
-    return sorted(importlib.metadata.entry_points(group=group), key=lambda ep: (ep.name, ep.value))
+def _entry_points(group: str) -> tuple[importlib.metadata.EntryPoint, ...]:
+    """The installed entry points of `group`, by name (read once per sys.path: a folder added to it
+    later, such as a plugin's, is read then)."""
+    return _entry_points_on(tuple(sys.path), group)
+
+
+@functools.lru_cache(maxsize=32)
+def _entry_points_on(path: tuple[str, ...], group: str) -> tuple[importlib.metadata.EntryPoint, ...]:
+    # Scanning every installed distribution's metadata costs ~3 ms; a case asks several times.
+    return tuple(sorted(importlib.metadata.entry_points(group=group), key=lambda ep: (ep.name, ep.value)))
 
 
 def decoder_blocks() -> dict[str, Block]:
-    """Every decoder block: data/blocks.yml's and those installed packages register."""
-    _, blocks = _shipped_blocks()
-    blocks = dict(blocks)
+    """Every decoder block: this package's and those installed packages register."""
+    blocks = dict(_shipped_blocks())
     for ep in _entry_points(FAMILY_GROUP):
         if ep.name in blocks:
             raise BadInput(f"entry point {ep.name} = {ep.value} (group {FAMILY_GROUP}): decoder block "
@@ -155,7 +188,7 @@ def _block(name: str, where: str) -> Block:
 
 def honoured_fields(name: str) -> frozenset[str]:
     """The card fields decoder block `name` reads (the common ones included)."""
-    common, _ = _shipped_blocks()
+    common = _common_fields()
     block = _block(name, "decoder block")
     fields = block.fields
     if fields is None:

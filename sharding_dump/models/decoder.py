@@ -88,11 +88,20 @@ class Decoder(nn.Module):
 
 class DecoderLM(nn.Module):
     """Token ids (batch, length) -> logits (batch, length, vocab). A family sets `layer`, the unit of
-    its one stack (`inhomogeneous_layer_cycle_interval` layers), or overrides :meth:`stacks`."""
+    its one stack (`inhomogeneous_layer_cycle_interval` layers), or overrides :meth:`stacks`.
+
+    A subclass in a module of this package that sets `decoder_block` is that block: cards naming it
+    build it, and may set the common card fields (data/blocks.yml) and its `card_fields` (any other
+    field away from its default is refused); a card of it must set `required_fields`, and the pairs
+    of `equal_fields` must hold one value (the block builds both from it)."""
 
     cfg: ModelConfig
     pipeline: PipelineConfig | None = None
     layer: ClassVar[type[nn.Module]]
+    decoder_block: ClassVar[str]
+    card_fields: ClassVar[tuple[str, ...]] = ()
+    required_fields: ClassVar[tuple[str, ...]] = ()
+    equal_fields: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:

@@ -166,6 +166,19 @@ class DeepSeekDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab): the dense stack, then the MoE stack,
     which is the one a pipeline cuts (MoE layers it leaves out run before it, after the dense ones)."""
 
+    decoder_block = "deepseek"
+    card_fields = (
+        "mlp_activations", "rope_max_timescale", "rope_type", "max_position_embeddings",
+        "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow", "mscale", "rope_interleave",
+        "rope_truncate", "rope_attention_scaling", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "first_num_dense_layers", "num_experts", "num_experts_per_tok", "moe_mlp_dim",
+        "shared_experts", "routed_score_func", "routed_scaling_factor", "routed_bias", "use_indexer", "indexer_n_heads",
+        "indexer_head_dim", "indexer_topk")
+    required_fields = (
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok",
+        "moe_mlp_dim")
+    equal_fields = (("num_kv_heads", "num_query_heads"),)
+
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
         moe = Stack(DeepSeekMoeLayer, cfg.num_decoder_layers - cfg.first_num_dense_layers, "moe_layers",

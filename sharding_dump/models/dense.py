@@ -133,4 +133,27 @@ class DecoderLayer(nn.Module):
 class DenseDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "llama2"
+    card_fields = ("head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale")
+
     layer = DecoderLayer
+
+
+class Qwen3DecoderLM(DenseDecoderLM):
+    """Qwen3: the dense decoder with query/key norms."""
+
+    decoder_block = "qwen3"
+    card_fields = DenseDecoderLM.card_fields + ("use_qk_norm",)
+
+
+class MistralDecoderLM(DenseDecoderLM):
+    """Mistral: the dense decoder as llama2 builds it."""
+
+    decoder_block = "mistral"
+
+
+class Qwen2DecoderLM(DenseDecoderLM):
+    """Qwen2 (Qwen2.5): the dense decoder with biased attention projections."""
+
+    decoder_block = "qwen2"
+    card_fields = DenseDecoderLM.card_fields + ("attention_bias",)

@@ -43,4 +43,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "gemma"
+    card_fields = ("head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale")
+
     layer = GemmaDecoderLayer

@@ -58,4 +58,9 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2DecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "gemma2"
+    card_fields = (
+        "head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale", "sliding_window_size",
+        "use_post_attn_norm", "use_post_ffw_norm", "attn_logits_soft_cap", "final_logits_soft_cap")
+
     layer = Gemma2DecoderLayer

@@ -60,6 +60,12 @@ class Gemma3Block(nn.Module):
 class Gemma3DecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "gemma3"
+    card_fields = (
+        "head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale", "sliding_window_size",
+        "use_post_attn_norm", "use_post_ffw_norm", "attn_logits_soft_cap", "final_logits_soft_cap",
+        "local_rope_max_timescale", "rope_linear_scaling_factor")
+
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
         full, rest = divmod(cfg.num_decoder_layers, PATTERN)

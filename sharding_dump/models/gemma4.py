@@ -151,6 +151,14 @@ class Gemma4Block(nn.Module):
 class Gemma4DecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "gemma4"
+    card_fields = (
+        "head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale", "sliding_window_size",
+        "use_post_attn_norm", "use_post_ffw_norm", "attn_logits_soft_cap", "final_logits_soft_cap",
+        "local_rope_max_timescale", "global_head_dim", "global_num_kv_heads", "share_kv_projections",
+        "global_rope_max_timescale", "global_rope_proportion", "local_rope_proportion", "num_experts",
+        "num_experts_per_tok", "moe_mlp_dim", "shared_experts")
+
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
         blocks, rest = divmod(cfg.num_decoder_layers, PATTERN)

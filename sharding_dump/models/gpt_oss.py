@@ -85,4 +85,14 @@ class GptOssBlock(LayerCycle):
 class GptOssDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab); the untied output projection."""
 
+    decoder_block = "gpt_oss"
+    card_fields = (
+        "head_dim", "mlp_activations", "mlp_activations_limit", "rope_max_timescale", "rope_type",
+        "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow", "rope_interleave", "rope_truncate",
+        "rope_attention_scaling", "num_experts", "num_experts_per_tok", "moe_mlp_dim", "routed_score_func",
+        "routed_bias", "mlp_bias", "attention_bias", "attention_sink", "sliding_window_size",
+        "inhomogeneous_layer_cycle_interval")
+    required_fields = ("num_experts", "num_experts_per_tok", "moe_mlp_dim", "head_dim")
+    equal_fields = (("moe_mlp_dim", "mlp_dim"),)
+
     layer = GptOssBlock

@@ -71,4 +71,11 @@ class Llama4Block(LayerCycle):
 class Llama4DecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "llama4"
+    card_fields = (
+        "head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale", "use_qk_norm",
+        "inhomogeneous_layer_cycle_interval", "nope_layer_interval", "interleave_moe_layer_step", "num_experts",
+        "num_experts_per_tok", "moe_mlp_dim", "shared_experts", "routed_score_func")
+    required_fields = ("num_experts", "num_experts_per_tok", "moe_mlp_dim", "interleave_moe_layer_step")
+
     layer = Llama4Block

@@ -50,4 +50,11 @@ class MixtralDecoderLayer(nn.Module):
 class MixtralDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "mixtral"
+    card_fields = (
+        "head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale", "num_experts",
+        "num_experts_per_tok", "moe_mlp_dim")
+    required_fields = ("num_experts", "num_experts_per_tok", "moe_mlp_dim")
+    equal_fields = (("moe_mlp_dim", "mlp_dim"),)
+
     layer = MixtralDecoderLayer

@@ -61,4 +61,11 @@ class Olmo3Block(LayerCycle):
 class Olmo3DecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "olmo3"
+    card_fields = (
+        "head_dim", "mlp_activations", "logits_via_embedding", "rope_max_timescale", "use_qk_norm",
+        "sliding_window_size", "inhomogeneous_layer_cycle_interval", "rope_type", "max_position_embeddings",
+        "original_max_position_embeddings", "rope_factor", "beta_fast", "beta_slow", "rope_interleave", "rope_truncate",
+        "rope_attention_scaling")
+
     layer = Olmo3Block

@@ -27,4 +27,7 @@ class Qwen3MoeDecoderLayer(MixtralDecoderLayer):
 class Qwen3MoeDecoderLM(MixtralDecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "qwen3_moe"
+    card_fields = MixtralDecoderLM.card_fields + ("use_qk_norm",)
+
     layer = Qwen3MoeDecoderLayer

@@ -185,4 +185,19 @@ class Qwen3NextBlock(LayerCycle):
 class Qwen3NextDecoderLM(DecoderLM):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
+    decoder_block = "qwen3_next"
+    card_fields = (
+        "head_dim", "rope_max_timescale", "inhomogeneous_layer_cycle_interval", "num_experts", "num_experts_per_tok",
+        "moe_mlp_dim", "shared_experts", "mlp_activations", "gdn_conv_kernel_dim", "gdn_key_head_dim",
+        "gdn_value_head_dim", "gdn_num_key_heads", "gdn_num_value_heads", "partial_rotary_factor")
+    required_fields = (
+        "num_experts", "num_experts_per_tok", "moe_mlp_dim", "gdn_num_key_heads", "gdn_num_value_heads",
+        "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim")
+
     layer = Qwen3NextBlock
+
+
+class Qwen35DecoderLM(Qwen3NextDecoderLM):
+    """Qwen3.5: Qwen3-Next's hybrid decoder under its own block name."""
+
+    decoder_block = "qwen3_5"

@@ -72,6 +72,14 @@ class CaseSetup:
         """The abstract mesh the training step is traced on."""
         return self.plan.abstract_mesh(explicit=self.step_explicit)
 
+    def step_inputs(self) -> tuple[Any, ...]:
+        """Everything the traced training step depends on: setups that agree on it trace the same step,
+        once per process (a card's explicit-mode case and its auto twin agree: the zoo's step runs on
+        the Auto mesh)."""
+        factory = self.case.model if self.config is None else None
+        return (factory, self.config, self.pipeline, self.optimizer, self.batch, self.plan, self.rule_set,
+                self.step_explicit)
+
 
 def setup_case(case: Case) -> CaseSetup:
     """Resolves topology, rules, settings, mesh and model config; BadInput on anything invalid."""
@@ -139,7 +147,12 @@ def _check_even_splits(setup: CaseSetup) -> None:
                        f"splits (shard_mode=auto pads them)")
 
 
-@functools.lru_cache(maxsize=16)
+# A process that handles a whole matrix (`check --all`, a test session) builds each state and traces each
+# step once: the caches hold every case of a matrix (a state or a recording is shapes only, not arrays).
+CASES_PER_PROCESS = 256
+
+
+@functools.lru_cache(maxsize=CASES_PER_PROCESS)
 def _abstract_state(config: models.ModelConfig, tx: Any, pipeline: PipelineConfig | None) -> dict[str, Any]:
     # Shapes only depend on the config, optimizer and pipeline; cases of one model share the traced init.
     return state.abstract_state(config, tx, pipeline)
@@ -160,7 +173,7 @@ def program_model(ref: str) -> Model:
     return program.model_of()
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=CASES_PER_PROCESS)
 def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool, tx: Any) -> Any:
     program = factory_program(ref)
     mesh = plan.abstract_mesh(explicit=explicit)
@@ -305,9 +318,21 @@ def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
                  mesh=setup.step_mesh(), rules=setup.rule_set)
 
 
-def trace_activations(setup: CaseSetup) -> list[Constraint]:
-    """Every activation constraint of one training step of the case's model on its mesh."""
-    return read_constraints(*trace_case(setup))
+def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
+    """Every activation constraint of one training step of the case's model on its mesh (traced once
+    per process for setups with equal step inputs: the golden dump and `check` of a case share it)."""
+    return _recorded(_StepOf(setup.step_inputs(), setup))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepOf:
+    inputs: tuple[Any, ...]  # the cache key
+    setup: CaseSetup = dataclasses.field(compare=False)
+
+
+@functools.lru_cache(maxsize=CASES_PER_PROCESS)
+def _recorded(step: _StepOf) -> tuple[Constraint, ...]:
+    return tuple(read_constraints(*trace_case(step.setup)))
 
 
 def render_case(case: Case) -> dict[str, bytes]:

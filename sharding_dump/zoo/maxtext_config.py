@@ -223,7 +223,7 @@ def _load_chain(path: Path, configs_dir: Path | None, origins: dict[str, str], s
                               f" nor in MaxText's configs folder ({configs_dir})" if configs_dir else
                               " and MaxText's configs folder is unknown (set MAXTEXT_CONFIGS_DIR or install maxtext)"))
         merged = _load_chain(found, configs_dir, origins, (*seen, path.resolve()))
-    origins.update({key: _display(path) for key in data})
+    origins.update(dict.fromkeys(data, _display(path)))
     return _merge(merged, data)
 
 
@@ -315,7 +315,7 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
                 raise BadInput(f"{', '.join(twice)}: set by the model config {_display(model_path)} and by "
                                f"{source} with different values; MaxText refuses this unless "
                                f"override_model_config=true")
-    origins.update({key: f"model config {_display(model_path)}" for key in model})
+        origins.update(dict.fromkeys(model, f"model config {_display(model_path)}"))
     origins.update({key: source for key in cli})
     rules = _merge_rules(files.get("logical_axis_rules") or [], model.get("logical_axis_rules") or [])
     if model.get("override_logical_axis_rules"):

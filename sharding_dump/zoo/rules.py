@@ -46,7 +46,8 @@ class RuleSet:
     context_sharding: str | None
     input_data_sharding_logical_axes: tuple[str, ...]  # () when the file has none: the batch follows data_sharding
     logical_axis_rules: Rules
-    mesh_rules: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # (topology regex, settings as (key, value) pairs): every field is immutable, so a RuleSet hashes.
+    mesh_rules: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     # Where each logical_axis_rules entry was written: (file, 1-based line), same order.
     origins: tuple[tuple[Path, int], ...] = ()
     # Parameters without logical axes, placed by path regex (first match wins); each knows its line.
@@ -56,7 +57,7 @@ class RuleSet:
         """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
         for pattern, values in self.mesh_rules:
             if re.search(pattern, topology_name):
-                return values
+                return dict(values)
         return {}
 
 
@@ -128,7 +129,7 @@ def load_rule(ref: str) -> RuleSet:
         except re.error as err:
             raise BadInput(f"{where}: field mesh_rules/{index}/match: not a regular expression ({err})") from None
         try:
-            parsed = dict(settings_mod.parse_overrides(entry["settings"]))
+            parsed = tuple(settings_mod.parse_overrides(entry["settings"]))
         except BadInput as err:
             raise BadInput(f"{where}: field mesh_rules/{index}/settings: {err}") from None
         mesh_rules.append((entry["match"], parsed))

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, committed_golden, sweep_beyond_first
 from sharding_dump.commands import check
 from sharding_dump.commands.cli import main
 from sharding_dump.core.specs import entry_axes
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case, load_matrix
-from sharding_dump.zoo.dump import case_layouts
+from sharding_dump.zoo.dump import case_layouts, setup_case
 
 DEFAULT = REPO / "sharding_dump/rules/default.yml"
 
@@ -106,26 +106,41 @@ def test_product_of_several_axes_and_the_fallback_rule_that_applied():
                            "[embed, [fsdp, context, context_usp_ulysses, expert]]",)
 
 
-@pytest.mark.parametrize("case", load_matrix() + [
+def leaf_specs(case):
+    """(rule set, settings, [(path, logical axes, partition spec)]) of a case: a matrix case's from its
+    committed goldens (which the golden tests prove equal a fresh dump), any other case dumped."""
+    setup = setup_case(case)
+    if case in MATRIX:
+        logical, named = (committed_golden(case, f"{kind}_shardings.json")["tensors"] for kind in ("logical", "named"))
+        leaves = [(path, tuple(logical[path]["logical_axes"]), tuple(named[path]["partition_spec"])) for path in named]
+    else:
+        leaves = [(t.path, t.logical_axes, tuple(t.partition_spec)) for t in case_layouts(case)[1]]
+    return setup.rule_set, setup.values, leaves
+
+
+MATRIX = load_matrix()
+
+
+@pytest.mark.parametrize("case", sweep_beyond_first(MATRIX, lambda c: c.rule) + [
     Case.make("qwen3-0.6b", "tpu7x-2048", "default", overrides={"ici_expert_parallelism": "2"}),
     Case.make("llama2-7b", "v5p-16", "default", overrides={"ici_tensor_parallelism": "2"}),
 ], ids=lambda c: c.label)
 def test_the_deciding_rule_gives_the_resolved_spec(case):
     """Attribution replays flax's resolver: the rule it names must be the one that produced the spec."""
-    setup, layouts = case_layouts(case)
-    table = setup.rule_set.logical_axis_rules
-    for t in layouts:
-        for dim, name in enumerate(t.logical_axes):
-            index = rules.deciding_rule(t.logical_axes, table, dim)
-            resolved = t.partition_spec[dim] if dim < len(t.partition_spec) else None
-            if setup.values["shard_optimizer_over_data"] and ("/mu/" in t.path or "/nu/" in t.path):
+    rule_set, values, leaves = leaf_specs(case)
+    table = rule_set.logical_axis_rules
+    for path, logical_axes, partition_spec in leaves:
+        for dim, name in enumerate(logical_axes):
+            index = rules.deciding_rule(logical_axes, table, dim)
+            resolved = partition_spec[dim] if dim < len(partition_spec) else None
+            if values["shard_optimizer_over_data"] and ("/mu/" in path or "/nu/" in path):
                 # ZeRO-1 adds `data` to the moments on top of what the rules decide.
                 kept = tuple(a for a in entry_axes(resolved) if a != "data")
                 resolved = kept[0] if len(kept) == 1 else (kept or None)
             if index is None:
-                assert resolved is None, (t.path, dim)
+                assert resolved is None, (path, dim)
             else:
-                assert entry_axes(table[index][1]) == entry_axes(resolved), (t.path, dim, table[index])
+                assert entry_axes(table[index][1]) == entry_axes(resolved), (path, dim, table[index])
                 assert table[index][0] == name
 
 

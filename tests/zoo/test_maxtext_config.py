@@ -90,7 +90,7 @@ def test_every_model_card_field_is_a_classified_maxtext_key():
 
 
 def test_a_model_key_without_a_neutral_value_is_a_field_every_block_builds():
-    common, _ = config_module._shipped_blocks()
+    common = config_module._common_fields()
     table = maxtext_config.key_table()
     assert {spec.field for spec in table.model.values() if not spec.has_neutral} <= common
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from helpers import REPO, committed_golden
+from helpers import REPO, committed_golden, sweep_beyond_first
 from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 from sharding_dump.zoo.dump import dump_case
 from sharding_dump.zoo.goldens import check_or_update
@@ -23,9 +23,11 @@ RULE_MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("rule,line,mutated", RULE_MUTATIONS, ids=[r[0] for r in RULE_MUTATIONS])
-def test_mutated_moe_rule_fails_its_golden_naming_the_expert_weights(mutated_rule, rule, line, mutated):
-    """A copy of the rule file with the `exp` line changed maps to the same golden folder and fails."""
+@pytest.mark.parametrize("mutation", sweep_beyond_first(RULE_MUTATIONS), ids=lambda m: m[0])
+def test_mutated_moe_rule_fails_its_golden_naming_the_expert_weights(mutated_rule, mutation):
+    """A copy of the rule file with the `exp` line changed maps to the same golden folder and fails
+    (one rule file by default: the golden tests check each against a fresh dump; the sweep mutates each)."""
+    rule, line, mutated = mutation
     case = next(c for c in load_matrix() if c.rule == rule and c.model == "deepseek2-16b")
     copy = mutated_rule(rule, line, mutated)
     mutated_case = Case.make(case.model, case.topology, str(copy), case.num_slices, dict(case.overrides))
