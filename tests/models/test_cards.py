@@ -283,8 +283,8 @@ def install_plugin(root: Path) -> Path:
 @pytest.fixture
 def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The plugin package installed on sys.path, as pip would put it there, and not yet imported: the
-    entry points are read afresh at each card or block lookup, so this process finds them as a newly
-    started one would."""
+    package reads the entry points again once sys.path has changed, so this process finds them as a
+    newly started one would."""
     site = install_plugin(tmp_path / "site")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delitem(sys.modules, "tiny_plugin", raising=False)
