@@ -5,9 +5,7 @@ and licence). Without them these tests fail saying so: a comparison that silentl
 comparison.
 """
 
-import functools
 import json
-import runpy
 import shutil
 import subprocess
 import sys
@@ -15,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO
-from sharding_dump.zoo.case import golden_dir, load_matrix
+from helpers import REPO, compare_maxtext_tool, matrix_folders
+from sharding_dump.zoo.case import golden_dir
 
 REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
 TOOL = REPO / "tools" / "compare_maxtext.py"
@@ -46,12 +44,6 @@ def reference_root():
     return REFERENCE
 
 
-@functools.cache
-def matrix_folders() -> dict:
-    """The golden folder of every case of the matrix, to its case (read once per test process)."""
-    return {golden_dir(case, GOLDEN): case for case in load_matrix()}
-
-
 def our_folder(reference_case: str):
     """Our golden folder for a reference case, through golden_dir; the case must be in the matrix."""
     folder = GOLDEN / reference_case
@@ -59,10 +51,9 @@ def our_folder(reference_case: str):
     return golden_dir(matrix_folders()[folder], GOLDEN)
 
 
-@functools.cache
 def tool_main():
     """tools/compare_maxtext.py's `main(argv)`: its command line, run in this process."""
-    return runpy.run_path(str(TOOL), run_name="compare_maxtext")["main"]
+    return compare_maxtext_tool()["main"]
 
 
 def run_tool(capsys, *args):

@@ -8,16 +8,13 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 
 from __future__ import annotations
 
-import functools
-import runpy
 
 import pytest
 
-from helpers import REPO, sweep_beyond_first
+from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
 from sharding_dump import models
 from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import state
-from sharding_dump.zoo.case import golden_dir, load_matrix
 
 BLOCK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "blocks"
 DEEPSEEK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
@@ -101,16 +98,9 @@ def reference_folder(case: str):
     return next(root / case for root in (BLOCK_REFERENCE, DEEPSEEK_REFERENCE) if (root / case).is_dir())
 
 
-@functools.cache
-def matrix_folders() -> dict:
-    """The golden folder of every case of the matrix, to its case (read once per test process)."""
-    return {golden_dir(c, REPO / "golden"): c for c in load_matrix()}
-
-
-@functools.cache
 def compare_maxtext():
     """tools/compare_maxtext.py's comparison, in this process (test_compare_maxtext.py runs its command line)."""
-    return runpy.run_path(str(TOOL), run_name="compare_maxtext")["compare"]
+    return compare_maxtext_tool()["compare"]
 
 
 @pytest.mark.parametrize("card", sweep_beyond_first(sorted(MAXTEXT_PARAMETERS),

@@ -176,7 +176,7 @@ def model_signature(cfg: models.ModelConfig) -> str:
     (block, field) for block in sorted(BLOCK_CARDS)
     for field in sorted(honoured_fields(block) - honoured_fields("llama2") | honoured_fields("llama2") - COMMON)])
 def test_fields_a_new_block_honours_change_its_model(block, field):
-    """data/blocks.yml does not overclaim: each field listed for a new block changes what it builds."""
+    """A block's card_fields do not overclaim: each field a new block lists changes what it builds."""
     cfg = dataclasses.replace(models.load_config(BLOCK_CARDS[block]), **TINY)
     value = OTHER_VALUE.get(field, not getattr(cfg, field))
     change = {field: value, **({"mlp_dim": value} if field == "moe_mlp_dim" else {})}
