@@ -18,7 +18,6 @@ from sharding_dump.zoo import state
 
 BLOCK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "blocks"
 DEEPSEEK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
-TOOL = REPO / "tools" / "compare_maxtext.py"
 
 # Parameters of MaxText's own model for each card's MaxText config (configs/models/<card>.yml at
 # e591f30): the sum over the `params` leaves of the state its sharding dump
