@@ -41,6 +41,20 @@ def matrix_setups() -> dict:
     return {case.label: setup_case(case) for case in load_matrix()}
 
 
+@functools.cache
+def matrix_folders() -> dict:
+    """The committed golden folder of every case of the matrix, to its case (read once per test process)."""
+    return {golden_dir(case, REPO / "golden"): case for case in load_matrix()}
+
+
+@functools.cache
+def compare_maxtext_tool() -> dict:
+    """tools/compare_maxtext.py loaded in this process (its `main(argv)` and `compare(...)`)."""
+    import runpy
+
+    return runpy.run_path(str(REPO / "tools" / "compare_maxtext.py"), run_name="compare_maxtext")
+
+
 def mesh_plan(rule: str, topology: str, num_slices: int = 1, **overrides: object) -> MeshPlan:
     """The mesh a case gets from its rule file, topology and KEY=VALUE overrides, as the dump plans it
     (the overrides count as set explicitly), without loading a model."""

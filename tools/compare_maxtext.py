@@ -15,7 +15,8 @@ partition_spec) over all leaves must also cancel exactly. The mesh and, when bot
 them, the logical axes are compared the same way.
 
 Exit status: 0 when everything matches, 1 when something differs, 2 on bad input (one line).
-Reads JSON only: no JAX import, so it runs in a fraction of a second.
+Reads JSON only: no JAX import, so it runs in a fraction of a second. `main(argv)` (the command line)
+and `compare()` also run inside a caller's own process: the tests load this file with runpy.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # a script run from a checkout finds the package beside it; loaded, sys.path stays
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sharding_dump.core.specs import spec_to_json  # noqa: E402  (jax-free: the package's one spec normaliser)
 
 NAMED, LOGICAL = "named_shardings.json", "logical_shardings.json"

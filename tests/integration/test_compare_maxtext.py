@@ -9,11 +9,12 @@ import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO
-from sharding_dump.zoo.case import golden_dir, load_matrix
+from helpers import REPO, compare_maxtext_tool, matrix_folders
+from sharding_dump.zoo.case import golden_dir
 
 REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
 TOOL = REPO / "tools" / "compare_maxtext.py"
@@ -45,14 +46,32 @@ def reference_root():
 
 def our_folder(reference_case: str):
     """Our golden folder for a reference case, through golden_dir; the case must be in the matrix."""
-    folders = {golden_dir(case, GOLDEN): case for case in load_matrix()}
     folder = GOLDEN / reference_case
-    assert folder in folders, f"reference case {reference_case} is not in sharding_dump/data/cases.yml"
-    return golden_dir(folders[folder], GOLDEN)
+    assert folder in matrix_folders(), f"reference case {reference_case} is not in sharding_dump/data/cases.yml"
+    return golden_dir(matrix_folders()[folder], GOLDEN)
 
 
-def run_tool(*args):
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=60)
+def tool_main():
+    """tools/compare_maxtext.py's `main(argv)`: its command line, run in this process."""
+    return compare_maxtext_tool()["main"]
+
+
+def run_tool(capsys, *args):
+    """The tool's command line on `args`: its exit status and what it printed."""
+    capsys.readouterr()
+    status = tool_main()([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=captured.out, stderr=captured.err)
+
+
+def test_command_line_runs_as_the_readme_says(tmp_path):
+    """`python tools/compare_maxtext.py REFERENCE OURS` as a script, from any folder (the other tests
+    call its main() in this process)."""
+    case = REFERENCE_CASES[0]
+    result = subprocess.run([sys.executable, str(TOOL), str(reference_root() / case), str(our_folder(case))],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.endswith("multiset remainder 0 + 0\nMATCH\n"), result.stdout
 
 
 def test_reference_case_list_is_complete():
@@ -62,8 +81,8 @@ def test_reference_case_list_is_complete():
 
 
 @pytest.mark.parametrize("case", REFERENCE_CASES, ids=lambda c: c.split("/", 1)[1])
-def test_matches_maxtext(case):
-    result = run_tool(reference_root() / case, our_folder(case))
+def test_matches_maxtext(case, capsys):
+    result = run_tool(capsys, reference_root() / case, our_folder(case))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "(shape, spec) multiset remainder 0 + 0" in result.stdout
     assert "named_shardings.json: 84 reference leaves, 84 ours; 84 match by path" in result.stdout
@@ -75,12 +94,12 @@ def copy_of_ours(tmp_path, case):
     return folder, json.loads((folder / "named_shardings.json").read_text())
 
 
-def test_changed_spec_is_printed_with_both_sides(tmp_path):
+def test_changed_spec_is_printed_with_both_sides(tmp_path, capsys):
     case = REFERENCE_CASES[0]
     folder, doc = copy_of_ours(tmp_path, case)
     doc["tensors"][MOE_WEIGHT]["partition_spec"] = [None, None, None, None]
     (folder / "named_shardings.json").write_text(json.dumps(doc))
-    result = run_tool(reference_root() / case, folder)
+    result = run_tool(capsys, reference_root() / case, folder)
     assert result.returncode == 1
     assert f"  {MOE_WEIGHT}\n      reference shape [64,26,2048,1408] spec " \
            '["expert",null,["fsdp","context","context_usp_ulysses"],' in result.stdout
@@ -88,24 +107,24 @@ def test_changed_spec_is_printed_with_both_sides(tmp_path):
     assert "1 differ" in result.stdout and "multiset remainder 1 + 1" in result.stdout
 
 
-def test_renamed_leaf_is_caught_by_path_not_by_multiset(tmp_path):
+def test_renamed_leaf_is_caught_by_path_not_by_multiset(tmp_path, capsys):
     case = REFERENCE_CASES[0]
     folder, doc = copy_of_ours(tmp_path, case)
     doc["tensors"]["params/decoder/moe_layers/renamed"] = doc["tensors"].pop(MOE_WEIGHT)
     (folder / "named_shardings.json").write_text(json.dumps(doc))
-    result = run_tool(reference_root() / case, folder)
+    result = run_tool(capsys, reference_root() / case, folder)
     assert result.returncode == 1
     assert f"only in reference: {MOE_WEIGHT}" in result.stdout
     assert "only in ours: params/decoder/moe_layers/renamed" in result.stdout
     assert "multiset remainder 0 + 0" in result.stdout
 
 
-def test_mesh_difference_is_reported(tmp_path):
+def test_mesh_difference_is_reported(tmp_path, capsys):
     case = REFERENCE_CASES[0]
     folder, doc = copy_of_ours(tmp_path, case)
     doc["mesh"]["axis_sizes"][doc["mesh"]["axis_names"].index("fsdp")] = 8
     (folder / "named_shardings.json").write_text(json.dumps(doc))
-    result = run_tool(reference_root() / case, folder)
+    result = run_tool(capsys, reference_root() / case, folder)
     assert result.returncode == 1 and "mesh differs" in result.stdout
 
 
@@ -113,8 +132,8 @@ def test_mesh_difference_is_reported(tmp_path):
     (lambda tmp: (tmp / "nope", tmp), "no such case folder"),
     (lambda tmp: (tmp, tmp), "named_shardings.json: no such file"),
 ])
-def test_bad_input_is_one_line_exit_2(tmp_path, make, message):
-    result = run_tool(*make(tmp_path))
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, make, message):
+    result = run_tool(capsys, *make(tmp_path))
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr

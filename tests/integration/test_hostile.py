@@ -502,26 +502,37 @@ def test_stray_files_in_a_case_folder_are_removed_by_the_cli(tmp_path, capsys):
                                                         "named_shardings.json"]
 
 
-def test_environment_cannot_break_the_command(tmp_path, capsys):
-    """JAX_PLATFORMS naming an absent accelerator, strict dtype promotion, x64 and an unknown XLA flag:
-    the command needs no device and writes the same bytes as without them."""
-    assert cli.main(TINY + ["--output-dir", str(tmp_path / "plain")]) == 0
+# The cheapest dump for a fresh process: the NNX example (its layers scanned), a tiny batch.
+SMALL_FACTORY = ["--model", "examples.nnx_lm:small_lm", "--topology", "cpu-1", "--rule",
+                 str(REPO / "examples/rules.yml"), "max_target_length=16", "per_device_batch_size=1"]
+
+
+def test_environment_cannot_break_the_command(tmp_path, capsys, monkeypatch):
+    """JAX_PLATFORMS naming an absent accelerator, strict dtype promotion, x64 and an unknown XLA flag
+    (read by jax when a process imports it, so the command runs in a new one): the command needs no
+    device and writes the same bytes as without them."""
+    monkeypatch.chdir(REPO)  # where `examples` is importable, as for a user's own package
+    assert cli.main(SMALL_FACTORY + ["--output-dir", str(tmp_path / "plain")]) == 0
     env = {**os.environ, "JAX_PLATFORMS": "cuda", "JAX_NUMPY_DTYPE_PROMOTION": "strict", "JAX_ENABLE_X64": "1",
            "XLA_FLAGS": "--no_such_xla_flag", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", *TINY, "--output-dir", str(tmp_path / "env")],
-                            capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", *SMALL_FACTORY, "--output-dir",
+                             str(tmp_path / "env")], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert tree(tmp_path / "env") == tree(tmp_path / "plain")
 
 
-@pytest.mark.parametrize("stdout", ["/dev/full", "closed"])
-def test_standard_output_that_cannot_be_written_is_one_line(stdout):
-    """A full device or a closed descriptor as standard output: one line on stderr, exit 2."""
+@pytest.mark.parametrize("stdout,buffered", [("/dev/full", True), ("/dev/full", False), ("closed", True)],
+                         ids=["full-at-the-last-flush", "full-at-a-write", "closed"])
+def test_standard_output_that_cannot_be_written_is_one_line(stdout, buffered):
+    """A full device (met at the final flush of buffered output, or at a write when PYTHONUNBUFFERED is
+    set) or a closed descriptor as standard output: one line on stderr, exit 2. The child lists the
+    settings: a command that imports no jax, a few KiB of text."""
     target = subprocess.DEVNULL if stdout == "closed" else open(stdout, "w")  # noqa: SIM115
     command = [sys.executable, "-c", "import os, sys\nfrom sharding_dump.commands import cli\n"
                + ("os.close(1)\nsys.stdout = None\n" if stdout == "closed" else "")
-               + "sys.exit(cli.main(['list', 'rules']))"]
+               + "sys.exit(cli.main(['list', 'settings']))"]
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
     result = subprocess.run(command, stdout=target, stderr=subprocess.PIPE, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**env, "PYTHONPATH": str(REPO), **({} if buffered else {"PYTHONUNBUFFERED": "1"})})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("sharding-dump: error: standard output: "), result.stderr

@@ -8,20 +8,16 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO, sweep_beyond_first
+from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
 from sharding_dump import models
 from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import state
-from sharding_dump.zoo.case import golden_dir, load_matrix
 
 BLOCK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "blocks"
 DEEPSEEK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
-TOOL = REPO / "tools" / "compare_maxtext.py"
 
 # Parameters of MaxText's own model for each card's MaxText config (configs/models/<card>.yml at
 # e591f30): the sum over the `params` leaves of the state its sharding dump
@@ -101,6 +97,11 @@ def reference_folder(case: str):
     return next(root / case for root in (BLOCK_REFERENCE, DEEPSEEK_REFERENCE) if (root / case).is_dir())
 
 
+def compare_maxtext():
+    """tools/compare_maxtext.py's comparison, in this process (test_compare_maxtext.py runs its command line)."""
+    return compare_maxtext_tool()["compare"]
+
+
 @pytest.mark.parametrize("card", sweep_beyond_first(sorted(MAXTEXT_PARAMETERS),
                                                     lambda card: models.load_config(card).decoder_block))
 def test_parameter_count_is_maxtexts(card):
@@ -109,13 +110,11 @@ def test_parameter_count_is_maxtexts(card):
 
 @pytest.mark.parametrize("case", [c for c in reference_cases() if (BLOCK_REFERENCE / c).is_dir()])
 def test_block_matches_maxtexts_dump(case):
-    folders = {golden_dir(c, REPO / "golden"): c for c in load_matrix()}
     ours = REPO / "golden" / case
-    assert ours in folders, f"reference case {case} is not in sharding_dump/data/cases.yml"
-    result = subprocess.run([sys.executable, str(TOOL), str(reference_folder(case)), str(ours)],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 differ, 0 only in reference, 0 only in ours; (shape, spec) multiset remainder 0 + 0" in result.stdout
+    assert ours in matrix_folders(), f"reference case {case} is not in sharding_dump/data/cases.yml"
+    ok, report = compare_maxtext()(reference_folder(case), ours)
+    assert ok, report
+    assert "0 differ, 0 only in reference, 0 only in ours; (shape, spec) multiset remainder 0 + 0" in report
 
 
 def test_every_block_with_a_card_is_checked_against_maxtext():

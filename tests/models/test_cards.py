@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import REPO, assert_bad_input, committed_golden, run_cli
+from helpers import REPO, assert_bad_input, committed_golden, sweep_beyond_first
 from sharding_dump import models
 from sharding_dump.commands import cli
 from sharding_dump.core.layout import leaves
@@ -56,7 +57,7 @@ def count(cfg: models.ModelConfig) -> int:
     return parameter_count(state.abstract_params(cfg))
 
 
-@pytest.mark.parametrize("model", sorted(PUBLISHED))
+@pytest.mark.parametrize("model", sweep_beyond_first(sorted(PUBLISHED), lambda name: load_card(name)["decoder_block"]))
 def test_parameter_count_is_the_published_count(model):
     cfg = models.load_config(model)
     if model in PUBLISHED_VOCAB:  # the card has MaxText's vocabulary: the checkpoint's is checked here
@@ -175,7 +176,7 @@ def model_signature(cfg: models.ModelConfig) -> str:
     (block, field) for block in sorted(BLOCK_CARDS)
     for field in sorted(honoured_fields(block) - honoured_fields("llama2") | honoured_fields("llama2") - COMMON)])
 def test_fields_a_new_block_honours_change_its_model(block, field):
-    """data/blocks.yml does not overclaim: each field listed for a new block changes what it builds."""
+    """A block's card_fields do not overclaim: each field a new block lists changes what it builds."""
     cfg = dataclasses.replace(models.load_config(BLOCK_CARDS[block]), **TINY)
     value = OTHER_VALUE.get(field, not getattr(cfg, field))
     change = {field: value, **({"mlp_dim": value} if field == "moe_mlp_dim" else {})}
@@ -279,9 +280,18 @@ def install_plugin(root: Path) -> Path:
     return root
 
 
-def test_installed_package_registers_family_and_cards(tmp_path, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(install_plugin(tmp_path / "site")))
-    monkeypatch.delitem(__import__("sys").modules, "tiny_plugin", raising=False)
+@pytest.fixture
+def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The plugin package installed on sys.path, as pip would put it there, and not yet imported: the
+    package reads the entry points again once sys.path has changed, so this process finds them as a
+    newly started one would."""
+    site = install_plugin(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "tiny_plugin", raising=False)
+    return site
+
+
+def test_installed_package_registers_family_and_cards(installed_plugin, tmp_path, monkeypatch, capsys):
     assert "tiny-plugin-lm" in models.model_names() and "tiny_family" in models.decoder_blocks()
     cfg = models.load_config("tiny-plugin-lm")
     assert type(models.build_model(cfg)).__name__ == "TinyFamilyLM"
@@ -298,23 +308,28 @@ def test_installed_package_registers_family_and_cards(tmp_path, monkeypatch, cap
         models.load_config("tiny-plugin-lm")
 
 
-def test_installed_card_dumps_from_the_command_line(tmp_path):
-    site = install_plugin(tmp_path / "site")
-    result = run_cli("--model", "tiny-plugin-lm", "--topology", "cpu-4", "--rule", "default", "--output-dir",
-                     str(tmp_path / "out"), env={"PYTHONPATH": f"{site}:{REPO}"})
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "out/tiny-plugin-lm/cpu-4/slice_1/rule_default/named_shardings.json").is_file()
+def test_installed_card_dumps_from_the_command_line(installed_plugin, tmp_path, capsys):
+    status = cli.main(["--model", "tiny-plugin-lm", "--topology", "cpu-4", "--rule", "default", "--output-dir",
+                       str(tmp_path / "out")])
+    assert status == 0, capsys.readouterr().err
+    named = json.loads((tmp_path / "out/tiny-plugin-lm/cpu-4/slice_1/rule_default/named_shardings.json").read_text())
+    assert named["case"]["model"] == "tiny-plugin-lm"
+    params = [t["shape"] for path, t in named["tensors"].items() if path.startswith("params/")]
+    assert sum(int(np.prod(shape)) for shape in params) == PLUGIN_PARAMS
 
 
 # --- the new golden cases catch a rule edit ------------------------------------------------------
 
 NEW_MODELS = {"llama3.1-70b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "gemma-7b"}
+NEW_CASES = [c for c in load_matrix()
+             if c.model in NEW_MODELS and (c.model != "qwen3-235b-a22b" or c.rule == "ep-as-dp")]
 
 
-@pytest.mark.parametrize("case", [c for c in load_matrix() if c.model in NEW_MODELS and
-                                  (c.model != "qwen3-235b-a22b" or c.rule == "ep-as-dp")], ids=lambda c: c.label)
+@pytest.mark.parametrize("case", sweep_beyond_first(NEW_CASES, lambda c: load_card(c.model)["decoder_block"]),
+                         ids=lambda c: c.label)
 def test_breaking_a_rule_line_fails_the_new_case(tmp_path, case):
-    """The case's rule file with its first `embed` line emptied maps to the same golden folder and fails."""
+    """The case's rule file with its first `embed` line emptied maps to the same golden folder and fails
+    (by default one case per decoder block; the sweep runs them all)."""
     text = (REPO / f"sharding_dump/rules/{case.rule}.yml").read_text()
     line = next(l for l in text.splitlines(keepends=True) if l.startswith("  - [embed, "))
     rule = tmp_path / f"{case.rule}.yml"
