@@ -40,7 +40,7 @@ _EXPORTS = {
     "tensor_layouts": "sharding_dump.core.layout",
     "resolve": "sharding_dump.core.layout",
     "Rules": "sharding_dump.core.layout",
-    "PathRule": "sharding_dump.core.layout",
+    "PathRule": "sharding_dump.core.specs",
     "constrain": "sharding_dump.core.capture",
     "record_activations": "sharding_dump.core.capture",
     "recording": "sharding_dump.core.capture",

@@ -27,6 +27,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import specs
+from sharding_dump.core.specs import PathRule, match_path_rule
 
 LogicalAxes = tuple[str | None, ...]
 # A hook that may change a leaf's resolved spec (e.g. ZeRO-1 adds `data` to optimizer moments).
@@ -143,24 +144,6 @@ class PartitionRuleError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class PathRule:
-    """Places a parameter that carries no logical axes by its path, as `[(regex, PartitionSpec)]`
-    trainers do: the first rule whose `pattern` `re.search`-es the parameter's path (as the goldens
-    write it, without `params/`) gives, per dimension, mesh axes (`spec`) or logical names resolved by
-    the logical axis rules (`logical`). A shorter spec leaves the last dimensions whole, as a
-    PartitionSpec does. `where` names the rule in messages (e.g. `rules.yml:12`)."""
-
-    pattern: str
-    spec: tuple[Any, ...] | None = None
-    logical: tuple[str | None, ...] | None = None
-    where: str = ""
-
-    @property
-    def entries(self) -> tuple[Any, ...]:
-        return self.logical if self.logical is not None else tuple(self.spec or ())
-
-
-@dataclasses.dataclass(frozen=True)
 class Rules:
     """Logical axis rules and path rules together, for the core API (a rule file's RuleSet has both).
 
@@ -178,15 +161,6 @@ def path_rules_of(rules: Any) -> tuple[PathRule, ...]:
     """The path rules of a rule set (its `partition_rules`: PathRules or `(regex, PartitionSpec)` pairs)."""
     return tuple(r if isinstance(r, PathRule) else PathRule(r[0], tuple(r[1]))
                  for r in getattr(rules, "partition_rules", ()))
-
-
-def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
-    """Index of the first rule whose regex is found in `path`, or None.
-
-    >>> match_path_rule([PathRule("attention/w[qkv]/kernel"), PathRule(".*")], "h/0/attention/wq/kernel")
-    0
-    """
-    return next((i for i, r in enumerate(path_rules) if re.search(r.pattern, path)), None)
 
 
 def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ...]) -> tuple[LogicalAxes, tuple | None]:

@@ -16,6 +16,7 @@ mesh axes; every other spec function in the package is built on it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -79,3 +80,30 @@ def itemsize(dtype: str) -> int:
     if match is None:
         raise ValueError(f"dtype {dtype!r}: no bit width in its name")
     return max(1, int(match.group(1)) // 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class PathRule:
+    """Places a parameter that carries no logical axes by its path, as `[(regex, PartitionSpec)]`
+    trainers do: the first rule whose `pattern` `re.search`-es the parameter's path (as the goldens
+    write it, without `params/`) gives, per dimension, mesh axes (`spec`) or logical names resolved by
+    the logical axis rules (`logical`). A shorter spec leaves the last dimensions whole, as a
+    PartitionSpec does. `where` names the rule in messages (e.g. `rules.yml:12`)."""
+
+    pattern: str
+    spec: tuple[Any, ...] | None = None
+    logical: tuple[str | None, ...] | None = None
+    where: str = ""
+
+    @property
+    def entries(self) -> tuple[Any, ...]:
+        return self.logical if self.logical is not None else tuple(self.spec or ())
+
+
+def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
+    """Index of the first rule whose regex is found in `path`, or None.
+
+    >>> match_path_rule([PathRule("attention/w[qkv]/kernel"), PathRule(".*")], "h/0/attention/wq/kernel")
+    0
+    """
+    return next((i for i, r in enumerate(path_rules) if re.search(r.pattern, path)), None)

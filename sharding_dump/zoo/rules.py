@@ -19,11 +19,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from flax.linen import spmd  # deciding_rule replays flax's resolver step by step
-
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
-from sharding_dump.core.layout import PathRule, match_path_rule
-from sharding_dump.core.specs import entry_axes, rule_axes
+from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.golden.engine import display
 from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
@@ -214,6 +211,8 @@ def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) ->
     >>> deciding_rule(("embed", "vocab"), r, 1) is None
     True
     """
+    from flax.linen import spmd  # its resolver, replayed step by step (imported here: a case needs no flax)
+
     names = tuple(logical_axes)
     if names[dim] is None:
         return None

@@ -124,9 +124,11 @@ def test_the_rule_bites(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["sharding_dump", "sharding_dump.golden.engine", "sharding_dump.golden.stale",
-                                    "sharding_dump.commands.diff", "sharding_dump.pytest_plugin"])
+                                    "sharding_dump.commands.diff", "sharding_dump.pytest_plugin",
+                                    "sharding_dump.zoo.case"])
 def test_jax_free_modules_load_no_jax(module):
-    """What runs without a model (the API's import, golden I/O, `diff`, the plugin's import) loads no jax."""
+    """What runs without a model (the API's import, golden I/O, `diff`, the plugin's import, the case
+    names and golden folders its stale check reads) loads no jax."""
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in {THIRD_PARTY_JAX!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", (module, out.stdout, out.stderr)
