@@ -25,7 +25,7 @@ import importlib.metadata
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, MODELS_DIR, SCHEMAS_DIR, load_yaml, validate
@@ -120,13 +120,9 @@ def _shipped_blocks() -> dict[str, Block]:
     for module in pkgutil.iter_modules(models.__path__):
         importlib.import_module(f"{models.__name__}.{module.name}")
     blocks: dict[str, Block] = {}
-    families, seen = [DecoderLM], set()
-    while families:
-        family = families.pop()
-        families += [c for c in family.__subclasses__() if c not in seen and c.__module__.startswith(models.__name__)]
-        seen.add(family)
+    for family in dict.fromkeys(_subclasses(DecoderLM)):
         name = vars(family).get("decoder_block")
-        if name is None:
+        if name is None or not family.__module__.startswith(f"{models.__name__}."):
             continue
         where = f"{family.__module__}:{family.__qualname__}"
         if name in blocks:
@@ -140,6 +136,13 @@ def _shipped_blocks() -> dict[str, Block]:
             raise BadInput(f"decoder block {block.name} ({block.module}): {field!r} is no model-card field "
                            f"(data/schemas/model-card.schema.json declares them)")
     return dict(sorted(blocks.items()))
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    """Every subclass of `cls`, of every generation."""
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 def _entry_points(group: str) -> tuple[importlib.metadata.EntryPoint, ...]:
