@@ -20,6 +20,13 @@ import sharding_dump.zoo.dump  # noqa: F401
 from helpers import REPO  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _in_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts in the checkout, wherever pytest was started (`cd /tmp && pytest CHECKOUT`):
+    the messages it reads name paths as a user in the checkout sees them."""
+    monkeypatch.chdir(REPO)
+
+
 @pytest.fixture
 def mutated_rule(tmp_path: Path) -> Callable[[str, str, str], Path]:
     """`mutated_rule(rule, line, new_line)`: a copy of a packaged rule file with one line changed (the
