@@ -7,6 +7,7 @@ compiled validator; jsonschema then only explains what it refuses).
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import json
@@ -136,7 +137,14 @@ def load_yaml(path: Path, what: str = "file") -> Any:
 
 def parse_yaml(text: str, where: str) -> Any:
     """YAML text (a file's, or one value a user typed) through the strict safe loader; malformed text
-    is BadInput starting with `where` (and naming the line)."""
+    is BadInput starting with `where` (and naming the line). The caller owns what it gets (a copy)."""
+    return copy.deepcopy(_parsed_yaml(text, where))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_yaml(text: str, where: str) -> Any:
+    # By content: a test session or `--all` reads the same rule file and MaxText config for every case,
+    # and parsing is 5 to 10 times slower than copying what it gave.
     try:
         _check_events(text)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
@@ -210,15 +218,12 @@ def _schemas() -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _schema_registry() -> referencing.Registry:
-    """Every schema by its $id, metaschema-checked, so schemas can $ref each other offline."""
-    import jsonschema
+    """Every schema by its $id, so schemas can $ref each other offline (the test suite checks each
+    against its metaschema: they are the package's own files, not input)."""
     import referencing
 
-    resources = []
-    for schema_id, schema in _schemas().items():
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-        resources.append((schema_id, referencing.Resource.from_contents(schema)))
-    return referencing.Registry().with_resources(resources)
+    return referencing.Registry().with_resources(
+        (schema_id, referencing.Resource.from_contents(schema)) for schema_id, schema in _schemas().items())
 
 
 def _inlined(node: Any, base: str) -> Any:
@@ -238,13 +243,14 @@ def _inlined(node: Any, base: str) -> Any:
 
 
 # JSON Schema 2020-12 keywords the compiled validator (draft 7) does not know, and would let pass.
-_NEWER_KEYWORDS = ("unevaluatedItems", "unevaluatedProperties", "dependentSchemas", "dependentRequired",
-                   "$dynamicRef", "$dynamicAnchor", "minContains", "maxContains")
+_NEWER_KEYWORDS = ("unevaluatedItems", "unevaluatedProperties", "dependentSchemas", "$dynamicRef",
+                   "$dynamicAnchor", "minContains", "maxContains")
 
 
 def _draft7(node: Any) -> Any:
     """2020-12's tuple form (`prefixItems`, then `items` for the rest) in draft 7's words (`items` as
-    a list, then `additionalItems`), so the compiled validator checks tuples too."""
+    a list, then `additionalItems`), and `dependentRequired` as draft 7's `dependencies`, so the
+    compiled validator checks tuples and co-required fields too."""
     if isinstance(node, list):
         return [_draft7(item) for item in node]
     if not isinstance(node, dict):
@@ -255,6 +261,8 @@ def _draft7(node: Any) -> Any:
         node["items"] = node.pop("prefixItems")
         if rest is not None:
             node["additionalItems"] = rest
+    if "dependentRequired" in node:
+        node["dependencies"] = node.pop("dependentRequired")
     return node
 
 
@@ -337,10 +345,15 @@ def yaml_item_lines(path: Path, key: str) -> list[int]:
     """The 1-based line of each item of the top-level list `key` of a YAML file (empty when absent),
     so a finding can point at the exact rule a user would edit. Call after :func:`load_yaml` has
     accepted the file."""
-    node = yaml.compose(read_text(path, "file", YAML_MAX_BYTES), Loader=_BaseLoader)
+    return list(_item_lines(read_text(path, "file", YAML_MAX_BYTES), key))
+
+
+@functools.lru_cache(maxsize=256)
+def _item_lines(text: str, key: str) -> tuple[int, ...]:
+    node = yaml.compose(text, Loader=_BaseLoader)
     if not isinstance(node, yaml.MappingNode):
-        return []
+        return ()
     for key_node, value_node in node.value:
         if key_node.value == key and isinstance(value_node, yaml.SequenceNode):
-            return [item.start_mark.line + 1 for item in value_node.value]
-    return []
+            return tuple(item.start_mark.line + 1 for item in value_node.value)
+    return ()

@@ -31,6 +31,7 @@ import warnings
 from typing import Sequence
 
 from sharding_dump.commands.options import Parser
+from sharding_dump.core.gc_policy import fewer_collections
 from sharding_dump.errors import BadInput, UnevenSplitWarning, one_line
 
 # The command needs no accelerator and must give the same bytes whatever JAX's environment says
@@ -162,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     guard = sys.stdout = _Stdout(stdout)
     try:
-        status = run(argv)
+        with fewer_collections():  # this process traces models from start to end
+            status = run(argv)
         sys.stdout.flush()
         return status
     except BadInput as err:

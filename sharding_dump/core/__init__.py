@@ -12,4 +12,5 @@ pytest plugin and the built-in model zoo are clients of it. Modules:
 * :mod:`program`: the training program a user gives: a model and how to call it, or their own
   init and step;
 * :mod:`documents`: the golden JSON documents of those layouts.
+* :mod:`gc_policy`: fewer garbage collections while models are traced (no jax import).
 """

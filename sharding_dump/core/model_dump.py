@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import optax
 
 from sharding_dump.core import capture, documents, layout, state, step
+from sharding_dump.core.gc_policy import fewer_collections
 
 
 def dump_model(model: Any, mesh: Any, rules: Any, *, batch_shape: tuple[int, int] = (8, 128),
@@ -33,11 +34,12 @@ def dump_model(model: Any, mesh: Any, rules: Any, *, batch_shape: tuple[int, int
     """The named, logical and activation documents of `model` (a linen module, an NNX module or a
     factory of either) trained with `optimizer` (default AdamW) on `mesh` under `rules`; the step is
     traced on a (batch, length) token batch of `batch_shape`, constrained to `input_axes` if given."""
-    tx = optimizer or state.default_optimizer()
-    lm = state.as_model(model)
-    train_state = state.abstract_train_state(lm.abstract_params(mesh, rules), tx)
-    layouts = layout.tensor_layouts(train_state, mesh, rules)
-    train_step = step.next_token_step(lm.apply, tx, input_axes)
-    constraints = capture.record_activations(train_step, train_state, step.abstract_batch(batch_shape),
-                                             mesh=mesh, rules=rules)
-    return documents.golden_documents(layouts, mesh, constraints, header=header)
+    with fewer_collections():
+        tx = optimizer or state.default_optimizer()
+        lm = state.as_model(model)
+        train_state = state.abstract_train_state(lm.abstract_params(mesh, rules), tx)
+        layouts = layout.tensor_layouts(train_state, mesh, rules)
+        train_step = step.next_token_step(lm.apply, tx, input_axes)
+        constraints = capture.record_activations(train_step, train_state, step.abstract_batch(batch_shape),
+                                                 mesh=mesh, rules=rules)
+        return documents.golden_documents(layouts, mesh, constraints, header=header)

@@ -199,8 +199,14 @@ def honoured_fields(name: str) -> frozenset[str]:
     return common | fields
 
 
-def _registered_card_dirs() -> list[tuple[str, Path]]:
+def _registered_card_dirs() -> tuple[tuple[str, Path], ...]:
     """(entry point, directory) of every card directory installed packages register."""
+    return _registered_card_dirs_on(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=32)
+def _registered_card_dirs_on(path: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
+    # Read once per sys.path, as the entry points are: a case asks for the cards many times.
     found = []
     for ep in _entry_points(CARD_GROUP):
         where = f"entry point {ep.name} = {ep.value} (group {CARD_GROUP})"
@@ -212,19 +218,35 @@ def _registered_card_dirs() -> list[tuple[str, Path]]:
         if not isinstance(target, (str, Path)) or not Path(target).is_dir():
             raise BadInput(f"{where}: gives {target!r}, not a directory of model card files")
         found.append((where, Path(target)))
-    return found
+    return tuple(found)
 
 
 def card_files() -> dict[str, Path]:
     """Every known card by name: the shipped ones, then those registered through entry points."""
-    cards = {p.stem: p for p in sorted(MODELS_DIR.glob("*.yml"))}
-    for where, directory in _registered_card_dirs():
+    folders = ((None, MODELS_DIR), *_registered_card_dirs())
+    return dict(_cards_in(tuple((where, folder, _stamp(folder)) for where, folder in folders)))
+
+
+def _stamp(folder: Path) -> int:
+    """When a folder last gained or lost a file (0 when it cannot be read)."""
+    try:
+        return folder.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+@functools.lru_cache(maxsize=32)
+def _cards_in(folders: tuple[tuple[str | None, Path, int], ...]) -> tuple[tuple[str, Path], ...]:
+    # Listed again only when a folder's modification time moves (a card added, renamed or removed):
+    # a test session resolves a card name thousands of times.
+    cards = {p.stem: p for p in sorted(folders[0][1].glob("*.yml"))}
+    for where, directory, _ in folders[1:]:
         for path in sorted(p for p in directory.iterdir() if p.suffix in CARD_SUFFIXES):
             if path.stem in cards and cards[path.stem].resolve() != path.resolve():
                 raise BadInput(f"{where}: card {path.stem!r} ({path}) has the name of {cards[path.stem]}; "
                                f"rename it")
             cards[path.stem] = path
-    return cards
+    return tuple(cards.items())
 
 
 def model_names() -> list[str]:

@@ -20,6 +20,7 @@ from jax.extend.core import ClosedJaxpr
 from sharding_dump import models
 from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
+from sharding_dump.core.gc_policy import fewer_collections
 from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
@@ -259,9 +260,10 @@ def warn_uneven(setup: CaseSetup, layouts: list[TensorLayout]) -> None:
 
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits unevenly)."""
-    setup, layouts = case_layouts(case)
-    warn_uneven(setup, layouts)
-    constraints = trace_activations(setup)
+    with fewer_collections():
+        setup, layouts = case_layouts(case)
+        warn_uneven(setup, layouts)
+        constraints = trace_activations(setup)
     return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
                                       activation_header={"batch": setup.batch.header()})
 

@@ -3,6 +3,7 @@ causal LM written outside the package (examples/), plus the activation capture's
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import subprocess
@@ -169,8 +170,14 @@ def test_dump_model_api_matches_the_cli(tmp_path, monkeypatch):
     from sharding_dump.zoo.rules import load_rule
 
     docs = dump_example(tmp_path, monkeypatch, "examples.linen_lm:small_lm")
-    api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3),
-                        load_rule("examples/rules.yml"), batch_shape=(96, 2048), input_axes=("batch", "length"))
+    users_policy, session_policy = (1234, 5, 6), gc.get_threshold()
+    gc.set_threshold(*users_policy)
+    try:
+        api = sd.dump_model(small_lm(), AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"), (AxisType.Auto,) * 3),
+                            load_rule("examples/rules.yml"), batch_shape=(96, 2048), input_axes=("batch", "length"))
+        assert gc.get_threshold() == users_policy  # the dump's own collection policy is given back
+    finally:
+        gc.set_threshold(*session_policy)
     assert api["named_shardings.json"]["tensors"] == docs["named_shardings.json"]["tensors"]
     assert api["activation_shardings.json"]["tensors"] == docs["activation_shardings.json"]["tensors"]
 

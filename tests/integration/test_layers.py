@@ -3,7 +3,7 @@ private name of another. Read from the source (ast), so an import inside a funct
 
     base           core        golden                  models         zoo                   commands, plugin
     (errors,       core        golden, core.format,    models, core   core, golden, models  anything below
-    resources)                 core.specs (no jax)
+    resources)                 core.specs, core.gc_policy (no jax)
 
 The base (the one-line error and the data-file reader, both without jax) is the floor every layer
 stands on.
@@ -24,7 +24,7 @@ from helpers import REPO
 PACKAGE = REPO / "sharding_dump"
 
 BASE = {"sharding_dump.errors", "sharding_dump.resources"}
-JAX_FREE_CORE = {"sharding_dump.core.format", "sharding_dump.core.specs"}
+JAX_FREE_CORE = {"sharding_dump.core.format", "sharding_dump.core.gc_policy", "sharding_dump.core.specs"}
 # layer -> the layers (or single modules) it may import
 ALLOWED = {
     "base": {"base"},

@@ -1,16 +1,15 @@
 """Explicit sharding mode and ZeRO-1: explicit equals auto, moments on `data`, the header's mode."""
 
-import json
-
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_bad_input, committed_golden, matrix_setups, sweep_beyond_first
+from sharding_dump.core.documents import golden_documents
 from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import check_document
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
-from sharding_dump.zoo.dump import render_case
+from sharding_dump.zoo.dump import case_layouts, header, setup_case
 
 MATRIX = load_matrix()
 SETUPS = matrix_setups()
@@ -59,12 +58,16 @@ def test_explicit_mode_gives_the_auto_layout(case):
     """A case of every kind and rule of the matrix, traced on an Explicit-axis mesh, has the same
     tensors as in auto mode.
     The auto layout is the case's golden (the golden tests check it equals the auto dump), so only the
-    explicit mode is traced here."""
-    explicit = {name: json.loads(data) for name, data in render_case(with_overrides(case, shard_mode="explicit")).items()}
-    auto = {name: committed_golden(case, name) for name in explicit}
-    for name in auto:
-        assert explicit[name]["mesh"]["shard_mode"] == "explicit" and auto[name]["mesh"]["shard_mode"] == "auto"
-        assert explicit[name]["tensors"] == auto[name]["tensors"], name
+    explicit state is traced here: a card's step runs on the Auto mesh in both modes (the same step
+    inputs, so the dump traces it once for both), and its activations are the golden's."""
+    explicit_case = with_overrides(case, shard_mode="explicit")
+    setup, layouts = case_layouts(explicit_case)
+    assert setup.step_inputs() == setup_case(case).step_inputs()
+    explicit = golden_documents(layouts, setup.plan.abstract_mesh(), header=header(setup))
+    for name, document in explicit.items():
+        auto = committed_golden(case, name)
+        assert document["mesh"]["shard_mode"] == "explicit" and auto["mesh"]["shard_mode"] == "auto"
+        assert document["tensors"] == auto["tensors"], name
 
 
 @pytest.mark.parametrize("case", EXPLICIT_CASES, ids=lambda c: c.label)
