@@ -57,8 +57,10 @@ def killed_write(n: int, folder: Path, files: dict[str, bytes], fallback: bool) 
     return os.WIFSIGNALED(status)
 
 
-# The forked child only makes file-system calls and dies: JAX's threads are never needed in it.
+# The forked child only makes file-system calls and dies: JAX's threads are never needed in it (JAX
+# warns of the fork, and so does Python 3.12+).
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 @pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-renames"])
 def test_a_case_folder_is_old_or_new_after_a_kill_at_every_step(tmp_path, fallback):
     new = {"named_shardings.json": b"new named\n", "logical_shardings.json": b"new logical\n",
