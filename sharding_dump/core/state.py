@@ -272,11 +272,15 @@ def as_model(model: Any, call: CallFn | None = None, fields: dict[str, jax.Shape
     An NNX factory is called under `nnx.eval_shape` (with eager sharding off), so even a 400B model
     allocates nothing; a linen module is inert until `init`. `built` is what the factory returned
     when the caller ran it already (see :func:`build_abstract`)."""
-    from flax import nnx
-
     call = call or tokens_call
+    if built is None and isinstance(model, nn.Module):
+        built = model
+    if isinstance(built, nn.Module):
+        return _linen_model(built, call, fields, streams)
+    from flax import nnx  # only now: a linen model's dump does without it (0.1 s of a cold start)
+
     if built is None:
-        built = model if isinstance(model, (nn.Module, nnx.Module)) else build_abstract(model)
+        built = model if isinstance(model, nnx.Module) else build_abstract(model)
     if isinstance(built, nn.Module):
         return _linen_model(built, call, fields, streams)
     if isinstance(built, nnx.Module):
