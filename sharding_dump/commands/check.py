@@ -36,7 +36,7 @@ from sharding_dump.errors import BadInput
 from sharding_dump.golden import diff
 from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
-from sharding_dump.zoo import rules, state
+from sharding_dump.zoo import cards, rules, state
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import CaseSetup, case_layouts, trace_activations
 
@@ -92,8 +92,8 @@ SIZE_FIELDS = frozenset({
 def _card_kinds() -> tuple[models.ModelConfig, ...]:
     """One model card per decoder block and set of non-size fields (sizes change no axis name)."""
     kinds: dict[tuple, models.ModelConfig] = {}
-    for model in models.model_names():
-        cfg = models.load_config(model)
+    for model in cards.model_names():
+        cfg = cards.load_config(model)
         kinds.setdefault(tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                                if f.name not in SIZE_FIELDS), cfg)
     return tuple(kinds.values())
@@ -202,7 +202,7 @@ def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLay
     else:
         used = own | known | set(setup.rule_set.input_data_sharding_logical_axes)
         used |= carried_by_a_model({name for name, _ in setup.rule_set.logical_axis_rules} - used)
-        why = (f"no tensor of any model ({', '.join(models.model_names())}) carries '{{name}}' and the trainer "
+        why = (f"no tensor of any model ({', '.join(cards.model_names())}) carries '{{name}}' and the trainer "
                f"defines no such axis ({display(LINT_FILE)}): the rule never applies (a typo?)")
     findings = []
     for index, (name, _) in enumerate(setup.rule_set.logical_axis_rules):

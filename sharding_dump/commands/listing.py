@@ -11,18 +11,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.what == "models":
-        from sharding_dump import models
         from sharding_dump.core.state import parameter_count
-        from sharding_dump.models.config import card_files
         from sharding_dump.resources import MODELS_DIR
-        from sharding_dump.zoo import state
-        files = card_files()
-        for name in models.model_names():
-            cfg = models.load_config(name)
+        from sharding_dump.zoo import cards, state
+        files = cards.card_files()
+        for name in cards.model_names():
+            cfg = cards.load_config(name)
             count = parameter_count(state.abstract_params(cfg))
             source = "" if files[name].parent == MODELS_DIR else f"  (card {files[name]})"
             print(f"{name:<18} {cfg.decoder_block:<10} {count:>17,} parameters ({count / 1e9:.2f}B){source}")
-        print(f"decoder blocks: {', '.join(sorted(models.decoder_blocks()))}")
+        print(f"decoder blocks: {', '.join(sorted(cards.decoder_blocks()))}")
     elif args.what == "topologies":
         from sharding_dump.zoo.topology import load_topology, topology_names
         for name in topology_names():

@@ -1,45 +1,37 @@
-"""Model registry: a card's `decoder_block` picks the Flax module that builds it (the DecoderLM
-subclass of a module here that names that block, or a family an installed package registers through
-the `sharding_dump.families` entry-point group).
+"""The zoo's Flax decoders: one module per family, each a DecoderLM subclass that names the decoder
+block it builds from a :class:`ModelConfig` (which card fields it reads, which it requires).
 
->>> cfg = load_config("qwen3-0.6b")
->>> type(build_model(cfg)).__name__
-'Qwen3DecoderLM'
->>> pipelined_stack_length(cfg)
-28
+Flax is imported by the family modules, not here, so the card registry
+(:mod:`sharding_dump.zoo.cards`) can read ModelConfig without it.
+
+>>> sorted(name for name, _ in shipped_families())[:3]
+['deepseek', 'gemma', 'gemma2']
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+import pkgutil
+from typing import Iterator
 
-import flax.linen as nn
+from sharding_dump.models.config import ModelConfig
 
-from sharding_dump.models.config import (
-    ModelConfig,
-    block_class,
-    check_model_name,
-    decoder_blocks,
-    load_config,
-    model_names,
-    resolve_model,
-)
-from sharding_dump.models.decoder import pipelined_length
-
-if TYPE_CHECKING:
-    from sharding_dump.models.pipeline import PipelineConfig
-
-__all__ = ["ModelConfig", "block_class", "build_model", "check_model_name", "decoder_blocks", "load_config",
-           "model_names", "pipelined_stack_length", "resolve_model"]
+__all__ = ["ModelConfig", "shipped_families"]
 
 
-def build_model(cfg: ModelConfig, pipeline: PipelineConfig | None = None) -> nn.Module:
-    """The Flax module for a model config, its layer stack pipelined by `pipeline` when given (never
-    initialised with real arrays here)."""
-    family = block_class(cfg.decoder_block)
-    return family(cfg) if pipeline is None else family(cfg, pipeline)
+def shipped_families() -> list[tuple[str, type]]:
+    """(decoder block, DecoderLM subclass) of every family module of this package, in class order: a
+    new family is its module (and a card), found here without a list to edit."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    from sharding_dump.models.decoder import DecoderLM
+
+    return [(vars(family)["decoder_block"], family) for family in dict.fromkeys(_subclasses(DecoderLM))
+            if "decoder_block" in vars(family) and family.__module__.startswith(f"{__name__}.")]
 
 
-def pipelined_stack_length(cfg: ModelConfig) -> int | None:
-    """Length of the layer stack a pipeline would cut into stages (None: the family cannot be pipelined)."""
-    return pipelined_length(block_class(cfg.decoder_block), cfg)
+def _subclasses(cls: type) -> Iterator[type]:
+    """Every subclass of `cls`, of every generation."""
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)

@@ -2,7 +2,7 @@
 output logits. A family is its layer (the unit a stack repeats) and, when it has more than one
 stack, the list of them (:meth:`DecoderLM.stacks`).
 
->>> from sharding_dump.models.config import load_config
+>>> from sharding_dump.zoo.cards import load_config
 >>> from sharding_dump.models.deepseek import DeepSeekDecoderLM
 >>> [(s.name, s.length, s.pipelined) for s in DeepSeekDecoderLM.stacks(load_config("deepseek2-16b"))]
 [('dense_layers', 1, False), ('moe_layers', 26, True)]

@@ -5,7 +5,7 @@ the low-frequency ones by `rope_factor`, with a linear ramp between the two rang
 `beta_fast` / `beta_slow`; that is how a 4k-trained model reaches 128k+ positions.
 
 >>> import dataclasses
->>> from sharding_dump.models.config import load_config
+>>> from sharding_dump.zoo.cards import load_config
 >>> cfg = load_config("deepseek2-16b")
 >>> freqs = inverse_frequencies(cfg, 64)
 >>> freqs.shape, bool(freqs[0] == 1.0), bool(freqs[-1] < 1e-4)

@@ -29,10 +29,10 @@ from sharding_dump.core.state import Model, abstract_key, abstract_train_state, 
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.golden import codec
-from sharding_dump.models.config import card_path
 from sharding_dump.models.pipeline import PipelineConfig
-from sharding_dump.zoo import optimizers, rules, settings, state
+from sharding_dump.zoo import cards, optimizers, rules, settings, state
 from sharding_dump.zoo.batch import BatchPlan, plan_batch
+from sharding_dump.zoo.cards import card_path
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
 from sharding_dump.zoo.model_ref import load_factory
@@ -94,9 +94,9 @@ def setup_case(case: Case) -> CaseSetup:
         config, pipeline = None, None
         _check_factory_settings(case, values, plan)
     else:
-        config = models.load_config(case.model, weight_dtype=values["weight_dtype"])
+        config = cards.load_config(case.model, weight_dtype=values["weight_dtype"])
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
-        pipeline = plan_pipeline(values, plan, rule_set, models.pipelined_stack_length(config))
+        pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:
             rule_set = pipeline_rules(rule_set)
             plan = stage_before_data(plan)
@@ -271,7 +271,7 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
 def case_model(setup: CaseSetup) -> Model:
     """The zoo model of a card case as the core drives it."""
     assert setup.config is not None
-    return as_model(models.build_model(setup.config, setup.pipeline))
+    return as_model(cards.build_model(setup.config, setup.pipeline))
 
 
 def case_step(setup: CaseSetup) -> Step:

@@ -407,7 +407,8 @@ def _zoo_value(config: ModelConfig, field: str) -> Any:
 
 
 def _check_model(composed: Composed, table: KeyTable, card: str, config: ModelConfig) -> None:
-    from sharding_dump.models.config import honoured_fields, keeps_default
+    from sharding_dump.models.config import keeps_default
+    from sharding_dump.zoo.cards import honoured_fields
 
     honoured = honoured_fields(config.decoder_block)
     problems = []
@@ -579,8 +580,7 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
             resolve: Resolve | None = None, environ: Mapping[str, str] | None = None) -> MaxTextCase:
     """The case of a composed configuration, every key checked (BadInput on the first refused one).
     `resolve(field, name)` maps model and rule names (a project's card and rule folders)."""
-    from sharding_dump import models
-    from sharding_dump.zoo import rules
+    from sharding_dump.zoo import cards, rules
     from sharding_dump.zoo.case import Case
 
     resolve = resolve or (lambda field, ref: ref)
@@ -593,8 +593,8 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
                        f"(sharding-dump list models)")
     model_ref = resolve("model", name)
     try:
-        card, _ = models.resolve_model(model_ref)
-        config = models.load_config(model_ref)
+        card, _ = cards.resolve_model(model_ref)
+        config = cards.load_config(model_ref)
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
     _check_refused(composed, table, config)

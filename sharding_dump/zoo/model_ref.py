@@ -32,6 +32,7 @@ import sys
 from typing import Any, Callable
 
 from sharding_dump.errors import BadInput, shown
+from sharding_dump.zoo.cards import card_files, resolve_model
 
 _FACTORY = re.compile(r"(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)=)?(?P<module>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"
                       r":(?P<attr>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
@@ -74,15 +75,11 @@ def parse_model_ref(text: str) -> ModelRef:
             raise BadInput(f"model {shown!r}: {match['name']!r} is the name of a model card; name the factory "
                            "differently")
         return ModelRef(text, "factory", match["name"] or "")
-    from sharding_dump import models
-
-    name, _ = models.resolve_model(text)
+    name, _ = resolve_model(text)
     return ModelRef(text, "card", name)
 
 
 def _card_names() -> set[str]:
-    from sharding_dump.models.config import card_files
-
     return set(card_files())
 
 

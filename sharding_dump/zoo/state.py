@@ -12,9 +12,9 @@ anything; every optimizer leaf takes the logical axes it derives from its parame
 With ZeRO-1 (`shard_optimizer_over_data`), the optimizer state is also split over `data`
 (:func:`over_data`), as MaxText does for every optimizer leaf.
 
->>> from sharding_dump import models
+>>> from sharding_dump.zoo import cards
 >>> from sharding_dump.core.state import parameter_count
->>> state = abstract_state(models.load_config("qwen3-0.6b"))
+>>> state = abstract_state(cards.load_config("qwen3-0.6b"))
 >>> parameter_count(state)
 596049920
 """
@@ -50,7 +50,7 @@ from sharding_dump.core.state import (
 )
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig
-from sharding_dump.zoo import rules
+from sharding_dump.zoo import cards, rules
 from sharding_dump.zoo.mesh import MeshPlan
 
 INIT_SHAPE = (1, 8)  # parameter shapes do not depend on the batch used to initialise
@@ -60,7 +60,7 @@ TENSOR_AXIS = "tensor"  # ZeRO-1 never adds data to a dimension split over it
 
 def abstract_params(cfg: models.ModelConfig, pipeline: PipelineConfig | None = None) -> Any:
     """The boxed abstract parameters of a zoo model alone (no optimizer traced): enough to count them."""
-    return as_model(models.build_model(cfg, pipeline)).abstract_params()
+    return as_model(cards.build_model(cfg, pipeline)).abstract_params()
 
 
 def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | None = None,
@@ -123,7 +123,7 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
     under an Explicit mesh), and so is every optimizer leaf that derives logical axes from its
     parameter, as a trainer places its state by its logical annotations (AdamW's moments already follow
     their parameter); ZeRO-1 then reshards the optimizer leaves over `data`."""
-    model = models.build_model(cfg, pipeline)
+    model = cards.build_model(cfg, pipeline)
     tx = tx or default_optimizer()
     template = abstract_state(cfg, tx, pipeline)["opt_state"]  # every optimizer leaf's derived axes
     mesh = plan.abstract_mesh(explicit=True)

@@ -195,8 +195,8 @@ def test_a_logical_name_nothing_uses(tmp_path, monkeypatch, cards):
     """A name no card carries is only known after tracing every kind of card (29, ~10 s): by default
     three cards stand for them, the sweep traces all."""
     if cards == "three":
-        from sharding_dump import models
-        three = tuple(models.load_config(name) for name in ("llama2-7b", "qwen3-0.6b", "deepseek2-16b"))
+        from sharding_dump.zoo import cards
+        three = tuple(cards.load_config(name) for name in ("llama2-7b", "qwen3-0.6b", "deepseek2-16b"))
         monkeypatch.setattr(check, "_card_kinds", lambda: three)
     rule = tmp_path / "tp.yml"
     rule.write_text("mesh_axes: [data, tensor]\nlogical_axis_rules:\n  - [embbed, tensor]\n"

@@ -96,9 +96,9 @@ def test_all_reproduces_the_goldens_for_another_hash_seed(tmp_path):
 
 
 def test_list_models_prints_parameter_counts(monkeypatch, capsys):
-    """Two cards stand for all (every card's count is held to its checkpoint in tests/models/test_cards.py)."""
-    from sharding_dump import models
-    monkeypatch.setattr(models, "model_names", lambda: ["llama2-7b", "qwen3-0.6b"])
+    """Two cards stand for all (every card's count is held to its checkpoint in tests/zoo/test_cards.py)."""
+    from sharding_dump.zoo import cards
+    monkeypatch.setattr(cards, "model_names", lambda: ["llama2-7b", "qwen3-0.6b"])
     assert main(["list", "models"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["llama2-7b", "llama2", "6,738,415,616", "parameters", "(6.74B)"]

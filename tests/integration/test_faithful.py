@@ -8,11 +8,10 @@ import functools
 import pytest
 
 from helpers import assert_bad_input, committed_golden, mesh_plan
-from sharding_dump import models
 from sharding_dump.commands import cli
 from sharding_dump.core.layout import leaves
 from sharding_dump.errors import BadInput
-from sharding_dump.zoo import state
+from sharding_dump.zoo import cards, state
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import dump_case, setup_case
 from sharding_dump.zoo.rules import load_rule
@@ -72,7 +71,7 @@ def test_custom_rules_without_an_input_length_rule_leave_attention_inputs_whole(
 
 @functools.cache
 def logical_axes(model: str) -> dict:
-    return {path: axes for path, _, axes in leaves(state.abstract_state(models.load_config(model)))}
+    return {path: axes for path, _, axes in leaves(state.abstract_state(cards.load_config(model)))}
 
 
 def test_gpt_oss_router_kernel_is_on_embed_and_deepseeks_on_embed_moe():

@@ -23,8 +23,8 @@ from typing import Callable
 import pytest
 
 from sharding_dump.commands import cli
-from sharding_dump.models import config as card_config
 from sharding_dump.resources import MODELS_DIR
+from sharding_dump.zoo import cards as card_config
 from sharding_dump.zoo import settings, topology
 from sharding_dump.zoo.case import MAX_NAME_CHARS
 

@@ -30,7 +30,7 @@ ALLOWED = {
     "base": {"base"},
     "core": {"core", "base"},
     "golden": {"golden", "base", *JAX_FREE_CORE},
-    "models": {"models", "core", "base"},
+    "models": {"models", "core"},  # Flax only: cards and data files are the zoo's
     "zoo": {"zoo", "core", "golden", "models", "base"},
     "commands": {"commands", "zoo", "core", "golden", "models", "base"},
     "plugin": {"commands", "zoo", "golden", "base"},

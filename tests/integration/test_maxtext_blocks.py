@@ -8,13 +8,11 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 
 from __future__ import annotations
 
-
 import pytest
 
 from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
-from sharding_dump import models
 from sharding_dump.core.state import parameter_count
-from sharding_dump.zoo import state
+from sharding_dump.zoo import cards, state
 
 BLOCK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "blocks"
 DEEPSEEK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
@@ -103,9 +101,9 @@ def compare_maxtext():
 
 
 @pytest.mark.parametrize("card", sweep_beyond_first(sorted(MAXTEXT_PARAMETERS),
-                                                    lambda card: models.load_config(card).decoder_block))
+                                                    lambda card: cards.load_config(card).decoder_block))
 def test_parameter_count_is_maxtexts(card):
-    assert parameter_count(state.abstract_state(models.load_config(card))) == MAXTEXT_PARAMETERS[card]
+    assert parameter_count(state.abstract_state(cards.load_config(card))) == MAXTEXT_PARAMETERS[card]
 
 
 @pytest.mark.parametrize("case", [c for c in reference_cases() if (BLOCK_REFERENCE / c).is_dir()])
@@ -119,7 +117,7 @@ def test_block_matches_maxtexts_dump(case):
 
 def test_every_block_with_a_card_is_checked_against_maxtext():
     """A block that ships cards has a reference case of one of them (or is listed as not yet equal)."""
-    checked = {models.load_config(case.split("/")[0]).decoder_block for case in reference_cases()}
-    shipped = {models.load_config(name).decoder_block for name in models.model_names()}
+    checked = {cards.load_config(case.split("/")[0]).decoder_block for case in reference_cases()}
+    shipped = {cards.load_config(name).decoder_block for name in cards.model_names()}
     assert shipped - checked == set(NOT_YET_EQUAL), sorted(shipped - checked)
     assert len(checked) >= 10, sorted(checked)

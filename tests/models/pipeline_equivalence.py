@@ -30,17 +30,17 @@ def max_difference(stages: int, microbatches: int, repeats: int, per_stage: int,
     import jax.numpy as jnp
     import numpy as np
 
-    from sharding_dump import models
     from sharding_dump.models.pipeline import PipelineConfig
+    from sharding_dump.zoo import cards
 
-    plain = dataclasses.replace(models.load_config("qwen3-0.6b"), emb_dim=16, num_query_heads=2, num_kv_heads=1,
+    plain = dataclasses.replace(cards.load_config("qwen3-0.6b"), emb_dim=16, num_query_heads=2, num_kv_heads=1,
                                 head_dim=8, mlp_dim=32, num_decoder_layers=layers, vocab_size=64, dtype="float32")
     pipelined = stages * repeats * per_stage
     schedule = PipelineConfig(stages, microbatches, repeats, pipelined, per_stage, scanned)
     mesh = jax.make_mesh((stages, 4 // stages), ("stage", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, plain.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    pipe_model, plain_model = models.build_model(plain, schedule), models.build_model(plain)
+    pipe_model, plain_model = cards.build_model(plain, schedule), cards.build_model(plain)
     # Random weights from numpy: compiling flax's init costs more than the whole comparison.
     shapes = nn.unbox(jax.eval_shape(pipe_model.init, jax.random.key(0), tokens, positions)["params"])
     rng = np.random.default_rng(0)

@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding_dump import models
 from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.models.attention import causal_attention
-from sharding_dump.models.config import check_card_consistency
 from sharding_dump.models.moe import route
-from sharding_dump.zoo import state
+from sharding_dump.zoo import cards, state
+from sharding_dump.zoo.cards import check_card_consistency
 
 
 @pytest.mark.parametrize("model,published,tolerance", [
@@ -23,7 +22,7 @@ from sharding_dump.zoo import state
     ("gpt-oss-20b", 20.9e9, 0.03),
 ])
 def test_parameter_count_matches_published_size(model, published, tolerance):
-    count = parameter_count(state.abstract_state(models.load_config(model)))
+    count = parameter_count(state.abstract_state(cards.load_config(model)))
     assert abs(count - published) / published < tolerance, f"{model}: {count:,} parameters"
 
 
@@ -58,8 +57,8 @@ TINY = {"emb_dim": 64, "num_query_heads": 4, "num_kv_heads": 4, "mlp_dim": 96, "
 def test_forward_pass_is_real_and_causal(model, change):
     """A scaled-down card runs on real arrays: finite logits, and no position sees a later token
     (routing, MLA, sinks and sliding windows all respect causality)."""
-    cfg = dataclasses.replace(models.load_config(model), **{**TINY, **change})
-    net = models.build_model(cfg)
+    cfg = dataclasses.replace(cards.load_config(model), **{**TINY, **change})
+    net = cards.build_model(cfg)
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
     # Rows are independent (dropless routing), so the original and the altered sequences share a batch.
     batch = jnp.concatenate([tokens, tokens.at[:, 5:].set((tokens[:, 5:] + 1) % cfg.vocab_size)])
@@ -79,13 +78,13 @@ def test_forward_pass_is_real_and_causal(model, change):
 def test_routing_weights():
     routed = jax.jit(route, static_argnums=0)  # one compilation rather than one per operation
     logits = jax.random.normal(jax.random.key(0), (1, 3, 8))
-    ds3 = models.load_config("deepseek3-671b")
+    ds3 = cards.load_config("deepseek3-671b")
     cfg = dataclasses.replace(ds3, num_experts=8, num_experts_per_tok=2)
     bias = jnp.zeros(8).at[7].set(100.0)
     weights, indices = routed(cfg, logits, bias)
     assert bool(jnp.all(indices[..., 0] == 7))  # the bias steers the choice ...
     assert jnp.allclose(weights.sum(-1), cfg.routed_scaling_factor)  # ... but not the weights
-    oss = dataclasses.replace(models.load_config("gpt-oss-20b"), num_experts=8, num_experts_per_tok=2)
+    oss = dataclasses.replace(cards.load_config("gpt-oss-20b"), num_experts=8, num_experts_per_tok=2)
     weights, indices = routed(oss, logits, None)
     assert jnp.allclose(weights.sum(-1), 1.0)
     assert bool(jnp.all(indices == jax.lax.top_k(logits, 2)[1]))

@@ -9,12 +9,11 @@ import sys
 import pytest
 
 from helpers import REPO, assert_bad_input, committed_golden, matrix_setups, run_cli, sweep_beyond_first
-from sharding_dump import models
 from sharding_dump.core import capture as activations
 from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
-from sharding_dump.zoo import state
+from sharding_dump.zoo import cards, state
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.dump import setup_case, trace_case
 from sharding_dump.zoo.pipeline_plan import check_batch
@@ -69,7 +68,7 @@ def test_layers_outside_the_pipeline_are_not_on_stage():
     unsharded); DeepSeek's leftover MoE layers keep `moe_layers`, its dense layers `dense_layers`."""
     for case in PIPELINE_CASES:
         setup = SETUPS[case.label]
-        if setup.pipeline.num_layers == models.pipelined_stack_length(setup.config):
+        if setup.pipeline.num_layers == cards.pipelined_stack_length(setup.config):
             continue
         named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
         outside = [p for p in named if p.startswith("params/") and "_outside_pipeline/" in p]

@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 from helpers import REPO, tree_bytes
-from sharding_dump import models
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
-from sharding_dump.models import config as config_module
-from sharding_dump.models.config import ModelConfig, load_card
-from sharding_dump.zoo import maxtext_config, settings
+from sharding_dump.models.config import ModelConfig
+from sharding_dump.zoo import cards, maxtext_config, settings
+from sharding_dump.zoo import cards as card_registry
+from sharding_dump.zoo.cards import load_card
 from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 
 CONFIGS = REPO / "tests" / "data" / "maxtext" / "configs"
@@ -90,7 +90,7 @@ def test_every_model_card_field_is_a_classified_maxtext_key():
 
 
 def test_a_model_key_without_a_neutral_value_is_a_field_every_block_builds():
-    common = config_module._common_fields()
+    common = card_registry._common_fields()
     table = maxtext_config.key_table()
     assert {spec.field for spec in table.model.values() if not spec.has_neutral} <= common
 
@@ -216,7 +216,7 @@ def test_verify_is_told_what_it_compiles_otherwise():
 
 # --- every card is its MaxText model config --------------------------------------------------------
 
-@pytest.mark.parametrize("card", models.model_names())
+@pytest.mark.parametrize("card", cards.model_names())
 def test_every_card_composes_from_maxtexts_model_config(card):
     """base.yml + models/<card>.yml, as MaxText composes them, is the card (every layout-relevant key
     equal) under MaxText's base rules merged with the model config's."""

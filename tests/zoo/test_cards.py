@@ -23,8 +23,8 @@ from sharding_dump.commands import cli
 from sharding_dump.core.layout import leaves
 from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import honoured_fields, load_card, resolve_model
-from sharding_dump.zoo import state
+from sharding_dump.zoo import cards, state
+from sharding_dump.zoo.cards import honoured_fields, load_card, resolve_model
 from sharding_dump.zoo.case import Case, load_matrix
 from sharding_dump.zoo.goldens import check_or_update
 
@@ -59,7 +59,7 @@ def count(cfg: models.ModelConfig) -> int:
 
 @pytest.mark.parametrize("model", sweep_beyond_first(sorted(PUBLISHED), lambda name: load_card(name)["decoder_block"]))
 def test_parameter_count_is_the_published_count(model):
-    cfg = models.load_config(model)
+    cfg = cards.load_config(model)
     if model in PUBLISHED_VOCAB:  # the card has MaxText's vocabulary: the checkpoint's is checked here
         cfg = dataclasses.replace(cfg, vocab_size=PUBLISHED_VOCAB[model])
     assert count(cfg) == PUBLISHED[model]
@@ -67,21 +67,21 @@ def test_parameter_count_is_the_published_count(model):
 
 @pytest.mark.parametrize("model", sorted(MAXTEXT))
 def test_parameter_count_is_maxtexts_where_it_differs_from_the_checkpoint(model):
-    assert models.load_config(model).vocab_size == 256_128
-    assert count(models.load_config(model)) == MAXTEXT[model]
+    assert cards.load_config(model).vocab_size == 256_128
+    assert count(cards.load_config(model)) == MAXTEXT[model]
 
 
 def test_every_shipped_card_loads_and_its_block_builds_it():
-    for name in models.model_names():
-        cfg = models.load_config(name)
-        assert type(models.build_model(cfg)).__name__ == models.block_class(cfg.decoder_block).__name__
+    for name in cards.model_names():
+        cfg = cards.load_config(name)
+        assert type(cards.build_model(cfg)).__name__ == cards.block_class(cfg.decoder_block).__name__
 
 
 def test_module_names_follow_maxtext():
     """Mixtral's experts are MoeBlock_0, Qwen3-MoE's moe_block, both routers on `embed`; Gemma's norms
     are pre_self_attention_norm / pre_ffw_norm. Nothing is named after another family."""
     def params(model):
-        found = leaves(state.abstract_state(models.load_config(model)))
+        found = leaves(state.abstract_state(cards.load_config(model)))
         return {path: logical for path, _, logical in found if path.startswith("params/")}
 
     mixtral = params("mixtral-8x7b")
@@ -147,7 +147,7 @@ def test_required_field_of_the_block(tmp_path):
 @pytest.mark.parametrize("base,field", [("llama3.1-8b", "num_experts"), ("gpt-oss-20b", "use_qk_norm")])
 def test_rejected_fields_really_are_ignored(base, field):
     """Why those cards are refused: the block builds the same parameters with or without the field."""
-    cfg = models.load_config(base)
+    cfg = cards.load_config(base)
     value = 8 if field == "num_experts" else True
     assert count(dataclasses.replace(cfg, **{field: value})) == count(cfg)
 
@@ -163,7 +163,7 @@ OTHER_VALUE = {"head_dim": 16, "mlp_activations": ("relu", "linear"), "rope_max_
 @functools.cache
 def model_signature(cfg: models.ModelConfig) -> str:
     """A digest of the traced init-and-forward of the card's module (program text and constants)."""
-    net = models.build_model(cfg)
+    net = cards.build_model(cfg)
     tokens, positions = jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None]
     closed = jax.make_jaxpr(lambda: net.init_with_output(jax.random.key(0), tokens, positions))()
     digest = hashlib.sha256(str(closed.jaxpr).encode())
@@ -177,7 +177,7 @@ def model_signature(cfg: models.ModelConfig) -> str:
     for field in sorted(honoured_fields(block) - honoured_fields("llama2") | honoured_fields("llama2") - COMMON)])
 def test_fields_a_new_block_honours_change_its_model(block, field):
     """A block's card_fields do not overclaim: each field a new block lists changes what it builds."""
-    cfg = dataclasses.replace(models.load_config(BLOCK_CARDS[block]), **TINY)
+    cfg = dataclasses.replace(cards.load_config(BLOCK_CARDS[block]), **TINY)
     value = OTHER_VALUE.get(field, not getattr(cfg, field))
     change = {field: value, **({"mlp_dim": value} if field == "moe_mlp_dim" else {})}
     assert model_signature(dataclasses.replace(cfg, **change)) != model_signature(cfg)
@@ -292,12 +292,12 @@ def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_installed_package_registers_family_and_cards(installed_plugin, tmp_path, monkeypatch, capsys):
-    assert "tiny-plugin-lm" in models.model_names() and "tiny_family" in models.decoder_blocks()
-    cfg = models.load_config("tiny-plugin-lm")
-    assert type(models.build_model(cfg)).__name__ == "TinyFamilyLM"
+    assert "tiny-plugin-lm" in cards.model_names() and "tiny_family" in cards.decoder_blocks()
+    cfg = cards.load_config("tiny-plugin-lm")
+    assert type(cards.build_model(cfg)).__name__ == "TinyFamilyLM"
     assert count(cfg) == PLUGIN_PARAMS
-    every = models.model_names
-    monkeypatch.setattr(models, "model_names", lambda: [n for n in every() if n in {"tiny-plugin-lm", "qwen3-0.6b"}])
+    every = cards.model_names
+    monkeypatch.setattr(cards, "model_names", lambda: [n for n in every() if n in {"tiny-plugin-lm", "qwen3-0.6b"}])
     assert cli.main(["list", "models"]) == 0  # the installed card among the built-in ones (one stands for all)
     out = capsys.readouterr().out
     assert f"tiny-plugin-lm     tiny_family {PLUGIN_PARAMS:>17,} parameters" in out and "tiny_plugin/cards" in out
@@ -305,7 +305,7 @@ def test_installed_package_registers_family_and_cards(installed_plugin, tmp_path
     card = tmp_path / "site" / "tiny_plugin" / "cards" / "tiny-plugin-lm.yml"
     card.write_text(PLUGIN_CARD + "num_experts: 4\n")
     with pytest.raises(BadInput, match="field num_experts: 4 is ignored by decoder block 'tiny_family'"):
-        models.load_config("tiny-plugin-lm")
+        cards.load_config("tiny-plugin-lm")
 
 
 def test_installed_card_dumps_from_the_command_line(installed_plugin, tmp_path, capsys):
