@@ -55,7 +55,7 @@ class Block:
 
     name: str
     module: str  # "package.module:Class" (shipped) or the entry point's value (registered)
-    fields: frozenset[str] | None  # honoured beyond the common ones; None: read from the class
+    fields: frozenset[str] | None  # honoured beyond the common ones; None: an installed family not yet read
     required: tuple[str, ...] = ()
     equal: tuple[tuple[str, str], ...] = ()
     entry_point: importlib.metadata.EntryPoint | None = None
@@ -80,15 +80,22 @@ def _shipped_blocks() -> dict[str, Block]:
         where = f"{family.__module__}:{family.__qualname__}"
         if name in blocks:
             raise BadInput(f"decoder block {name!r}: named by both {blocks[name].module} and {where}")
-        blocks[name] = Block(name, where, frozenset(family.card_fields), tuple(family.required_fields),
-                             tuple(family.equal_fields))
-    known = {f.name for f in dataclasses.fields(ModelConfig)} | {"description"}
-    for block in blocks.values():
-        named = block.fields | set(block.required) | {f for pair in block.equal for f in pair}
-        for field in sorted(named - known):
-            raise BadInput(f"decoder block {block.name} ({block.module}): {field!r} is no model-card field "
-                           f"(data/schemas/model-card.schema.json declares them)")
+        blocks[name] = _declared_by(Block(name, where, None), family)
     return dict(sorted(blocks.items()))
+
+
+def _declared_by(block: Block, family: type) -> Block:
+    """`block` with the card fields its class reads, requires and pairs; BadInput when one of them is
+    no card field (a typo would otherwise refuse or wave through every card of the block)."""
+    block = dataclasses.replace(block, fields=frozenset(getattr(family, "card_fields", ())),
+                                required=tuple(getattr(family, "required_fields", ())),
+                                equal=tuple(tuple(pair) for pair in getattr(family, "equal_fields", ())))
+    known = {f.name for f in dataclasses.fields(ModelConfig)} | {"description"}
+    named = block.fields | set(block.required) | {f for pair in block.equal for f in pair}
+    for field in sorted(named - known):
+        raise BadInput(f"decoder block {block.name} ({block.module}): {field!r} is no model-card field "
+                       f"(data/schemas/model-card.schema.json declares them)")
+    return block
 
 
 def _entry_points(group: str) -> tuple[importlib.metadata.EntryPoint, ...]:
@@ -135,14 +142,16 @@ def _block(name: str, where: str) -> Block:
     return blocks[name]
 
 
+def _declared(name: str, where: str) -> Block:
+    """Decoder block `name` with what its class declares (an installed family's class is loaded only
+    now, when a card of it is read)."""
+    block = _block(name, where)
+    return block if block.fields is not None else _declared_by(block, block_class(name))
+
+
 def honoured_fields(name: str) -> frozenset[str]:
     """The card fields decoder block `name` reads (the common ones included)."""
-    common = _common_fields()
-    block = _block(name, "decoder block")
-    fields = block.fields
-    if fields is None:
-        fields = frozenset(getattr(block_class(name), "card_fields", ()))
-    return common | fields
+    return _common_fields() | _declared(name, "decoder block").fields
 
 
 def _registered_card_dirs() -> tuple[tuple[str, Path], ...]:
@@ -266,8 +275,8 @@ def check_card_block(card: dict[str, Any], where: str) -> None:
     """Every field the card sets must be honoured by its decoder block (or be at its default), the
     block's required fields present and its paired fields equal: else BadInput naming the field."""
     name = card["decoder_block"]
-    block = _block(name, where)
-    honoured = honoured_fields(name)
+    block = _declared(name, where)
+    honoured = _common_fields() | block.fields
     for field, value in card.items():
         if field in honoured or is_default(value, field):
             continue

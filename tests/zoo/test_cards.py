@@ -244,6 +244,7 @@ PLUGIN = textwrap.dedent('''\
 
     class TinyFamilyLM(DenseDecoderLM):
         card_fields = ("head_dim", "use_qk_norm", "logits_via_embedding")
+        required_fields = ("head_dim",)
 
 
     def card_dir():
@@ -305,6 +306,10 @@ def test_installed_package_registers_family_and_cards(installed_plugin, tmp_path
     card = tmp_path / "site" / "tiny_plugin" / "cards" / "tiny-plugin-lm.yml"
     card.write_text(PLUGIN_CARD + "num_experts: 4\n")
     with pytest.raises(BadInput, match="field num_experts: 4 is ignored by decoder block 'tiny_family'"):
+        cards.load_config("tiny-plugin-lm")
+    # So is a card without a field the family requires.
+    card.write_text(PLUGIN_CARD.replace("head_dim: 16\n", ""))
+    with pytest.raises(BadInput, match="field head_dim: decoder block 'tiny_family' requires it"):
         cards.load_config("tiny-plugin-lm")
 
 
