@@ -8,7 +8,8 @@
     python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep): wall time, slowest tests
 
 Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
-the same for `check --all`, `diff golden golden` and `show` of the first case;
+the same for `check --all`, `diff golden golden` and `show` of the first case, beside the time of
+importing jax, flax.linen and optax alone (what any cold figure includes, which varies by machine);
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
 this process's max RSS growth. Figures are printed, never asserted.
 
@@ -130,6 +131,10 @@ def main() -> None:
         bench_verify(cases)
         return
     print(f"{'case':<92} {'cold s':>7} {'cold MiB':>9} {'warm s':>7} {'warm +MiB':>9}")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import jax, flax.linen, optax"], cwd=REPO, check=True)
+    print(f"{'(import jax, flax.linen, optax alone: the floor under every cold figure)':<92} "
+          f"{time.perf_counter() - start:>7.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             cold, cold_mib = run_child(case_args(case) + ["--golden-dir", tmp])
