@@ -65,12 +65,11 @@ def test_bad_rule_file_names_file_and_field(tmp_path, capsys):
                      f"rule file {rule}: field logical_axis_rules/0 (embed): mesh axis 'tensor' is not in mesh_axes")
 
 
-# Three cases of different kinds (multi-slice over DCN, context parallelism with a fractional batch,
-# pipelined): the plugin's tests already compare every case with its golden in the pytest process
-# (under pytest's own random hash seed); this runs `--all` in a fresh process under a fixed
-# non-default hash seed, on few cases, so the matrix runs once. The pipelined case is the cheapest
-# of the matrix (two stages; the circular one traces for 3 s, and its golden test runs under a
-# random seed anyway).
+# Four cases of different kinds (multi-slice over DCN, context parallelism with a fractional batch,
+# a two-stage pipeline, a circular one with unscanned layers per stage): the plugin's tests already
+# compare every case with its golden in the pytest process (under pytest's own random hash seed);
+# this runs `--all` in a fresh process under a fixed non-default hash seed, on few cases, so the
+# matrix runs once.
 DETERMINISM_CASES = """\
 cases:
   - {model: qwen3-0.6b, topology: a3, num_slices: 2, rule: default}
@@ -78,6 +77,9 @@ cases:
      overrides: {ici_fsdp_parallelism: -1, ici_expert_parallelism: 2, per_device_batch_size: 0.5, max_target_length: 4096}}
   - {model: llama2-7b, topology: v5p-8, rule: default,
      overrides: {ici_pipeline_parallelism: 2, num_pipeline_microbatches: 8}}
+  - {model: qwen3-0.6b, topology: tpu7x-8, rule: default,
+     overrides: {ici_pipeline_parallelism: 2, num_pipeline_microbatches: 8, num_pipeline_repeats: 2,
+                 num_layers_per_pipeline_stage: 6, pipeline_parallel_layers: 24}}
 """
 
 
@@ -89,10 +91,10 @@ def test_all_reproduces_the_goldens_for_another_hash_seed(tmp_path):
     out = tmp_path / "out"
     result = run_cli("--all", "--cases", str(case_file), "--golden-dir", str(out), env={"PYTHONHASHSEED": "12345"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "sharding-dump goldens: 0 updated, 3 created, 0 unchanged, 0 deleted"
+    assert result.stdout.splitlines()[-1] == "sharding-dump goldens: 0 updated, 4 created, 0 unchanged, 0 deleted"
     golden = tree_bytes(REPO / "golden")
     made = tree_bytes(out)
-    assert len(made) == 9 and made == {path: golden[path] for path in made}
+    assert len(made) == 12 and made == {path: golden[path] for path in made}
 
 
 def test_list_models_prints_parameter_counts(monkeypatch, capsys):
