@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import sys
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
@@ -417,9 +416,9 @@ def _name(fn: Any) -> str:
 def boxed_view(state: Any) -> Any:
     """The state with every NNX variable that has sharding metadata as a flax `Partitioned` box over
     its value (others as their value), so that layouts read logical axes from linen and NNX alike."""
-    if "flax.nnx" not in sys.modules:  # no NNX variable exists yet: a linen state is its own view
+    nnx = core_state.loaded_nnx()
+    if nnx is None:  # no NNX variable exists yet: a linen state is its own view
         return state
-    nnx = _nnx()
 
     def box(leaf: Any) -> Any:
         if not isinstance(leaf, nnx.Variable):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import sys
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -273,20 +274,25 @@ def as_model(model: Any, call: CallFn | None = None, fields: dict[str, jax.Shape
     allocates nothing; a linen module is inert until `init`. `built` is what the factory returned
     when the caller ran it already (see :func:`build_abstract`)."""
     call = call or tokens_call
-    if built is None and isinstance(model, nn.Module):
-        built = model
-    if isinstance(built, nn.Module):
-        return _linen_model(built, call, fields, streams)
-    from flax import nnx  # only now: a linen model's dump does without it (0.1 s of a cold start)
-
     if built is None:
-        built = model if isinstance(model, nnx.Module) else build_abstract(model)
+        built = model if isinstance(model, nn.Module) or _is_nnx_module(model) else build_abstract(model)
     if isinstance(built, nn.Module):
         return _linen_model(built, call, fields, streams)
-    if isinstance(built, nnx.Module):
+    if _is_nnx_module(built):
         return _nnx_model(built, call)
     raise TypeError(f"{getattr(model, '__qualname__', model)!r} returned {type(built).__name__}, "
                     "not a Flax linen or NNX module")
+
+
+def loaded_nnx() -> Any:
+    """flax.nnx if anything has imported it, else None. No NNX object exists before that, so a linen
+    model's dump need not import it (0.1 s of a cold start)."""
+    return sys.modules.get("flax.nnx")
+
+
+def _is_nnx_module(obj: Any) -> bool:
+    nnx = loaded_nnx()
+    return nnx is not None and isinstance(obj, nnx.Module)
 
 
 def build_abstract(factory: Callable[[], Any]) -> Any:

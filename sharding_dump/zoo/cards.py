@@ -276,12 +276,12 @@ def check_card_block(card: dict[str, Any], where: str) -> None:
     block's required fields present and its paired fields equal: else BadInput naming the field."""
     name = card["decoder_block"]
     block = _declared(name, where)
-    honoured = _common_fields() | block.fields
+    honoured = honoured_fields(name)
     for field, value in card.items():
         if field in honoured or is_default(value, field):
             continue
-        others = sorted(b for b in decoder_blocks() if decoder_blocks()[b].fields is not None
-                        and field in honoured_fields(b))
+        others = sorted(b for b, known in decoder_blocks().items()  # an installed family not yet read is left out
+                        if known.fields is not None and field in honoured_fields(b))
         hint = f"blocks that honour it: {', '.join(others)}" if others else "no decoder block honours it"
         raise BadInput(f"{where}: field {field}: {json.dumps(value)} is ignored by decoder block {name!r}, "
                        f"which would build the model without it; remove the field or use another block "
