@@ -9,7 +9,7 @@ from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import check_document
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case, load_matrix
-from sharding_dump.zoo.dump import case_layouts, header, setup_case
+from sharding_dump.zoo.dump import case_layouts, header
 
 MATRIX = load_matrix()
 SETUPS = matrix_setups()
@@ -62,7 +62,7 @@ def test_explicit_mode_gives_the_auto_layout(case):
     inputs, so the dump traces it once for both), and its activations are the golden's."""
     explicit_case = with_overrides(case, shard_mode="explicit")
     setup, layouts = case_layouts(explicit_case)
-    assert setup.step_inputs() == setup_case(case).step_inputs()
+    assert setup.step_inputs() == SETUPS[case.label].step_inputs()
     explicit = golden_documents(layouts, setup.plan.abstract_mesh(), header=header(setup))
     for name, document in explicit.items():
         auto = committed_golden(case, name)
