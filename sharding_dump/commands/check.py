@@ -237,6 +237,11 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
         findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
                                 f"matches no parameter path of model {setup.case.model_ref.label} (a typo?)",
                                 (f"rule: {rule.where}",)))
+    for rule, first, path in rules.shadowed_partition_rules(rule_set, _leaves(layouts)):
+        findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
+                                f"places nothing: every parameter path it matches is matched first by partition "
+                                f"rule {first.pattern!r} (first match wins), e.g. {path}",
+                                (f"rule: {rule.where}", f"shadowed by: {first.where}")))
     for path, count, rank in rules.rank_mismatches(_leaves(layouts)):
         findings.append(Finding("rank", path, f"{count} logical axes for a tensor of rank {rank}: "
                                 + ("the extra names are dropped" if count > rank else

@@ -59,11 +59,32 @@ def add_case_options(parser: argparse.ArgumentParser, all_help: str | None = Non
                              "names, then MaxText KEY=VALUE), instead of --model and --rule: model_name names the "
                              "card, custom_mesh_and_rule the rule, compile_topology the topology; every key is "
                              "honoured, ignored as layout-neutral or refused (data/maxtext_keys.yml)")
+    add_time_limit_option(parser)
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
         parser.add_argument("--cases", action="append", metavar="FILE",
                             help="case file for --all (repeatable; default: cases of [tool.sharding-dump] in "
                                  "pyproject.toml, else the package's own matrix)")
+
+
+TIME_LIMIT_HELP = ("seconds each call into the user's code (import, factory, init, model call, train_step, "
+                   "optimizer) and each verify compile may take; then one error line, exit 2 (default: "
+                   "user_code_seconds of sharding_dump/data/time_limits.yml)")
+
+
+def seconds(text: str) -> float:
+    """argparse type for a time limit: a number of seconds above 0 (bounded by core.boundary)."""
+    from sharding_dump.core.boundary import check_seconds
+
+    try:
+        return check_seconds(text, "")
+    except BadInput as err:
+        raise argparse.ArgumentTypeError(str(err).strip()) from None
+
+
+def add_time_limit_option(parser: argparse.ArgumentParser) -> None:
+    """--time-limit: the bound on each call into the user's code and on each compile."""
+    parser.add_argument("--time-limit", type=seconds, metavar="SECONDS", help=TIME_LIMIT_HELP)
 
 
 def add_settings_argument(parser: argparse.ArgumentParser) -> None:

@@ -106,4 +106,7 @@ def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
     >>> match_path_rule([PathRule("attention/w[qkv]/kernel"), PathRule(".*")], "h/0/attention/wq/kernel")
     0
     """
-    return next((i for i, r in enumerate(path_rules) if re.search(r.pattern, path)), None)
+    from sharding_dump.core.boundary import bounded_search
+
+    return next((i for i, r in enumerate(path_rules)
+                 if bounded_search(r.pattern, path, f"partition rule {r.where or repr(r.pattern)}")), None)

@@ -299,13 +299,13 @@ FAILURES = [
     ("hook_fails", "the call hook hook_fails.<locals>.<lambda> failed with KeyError: 'missing' (the harness passed "
                    "call(model, {inputs: int32[1,8]"),
     ("input_fails", "computing input 'mask' with input_fails.<locals>.<lambda> failed with KeyError: 'nothing'"),
-    ("bad_shape", "batch field 'mask': shape entry 'width': give an int or one of batch, length"),
+    ("bad_shape", "Input(shape=('batch', 'width')): give a tuple of sizes, each a whole number >= 0 or one of 'batch', 'length'"),
     ("no_dropout_stream", 'the model call failed with InvalidRngError: Dropout_0 needs PRNG for "dropout"'),
     ("init_fails", "the program's init init_fails.<locals>.<lambda> failed with ZeroDivisionError: division by zero "
                    "(the harness passed init(key<fry>[]); init(key) returns the training state)"),
     ("step_fails", "the program's train_step step_fails.<locals>.<lambda> failed with KeyError: 'missing'"),
     ("step_single", "returned {w: float32[4,4]}; the interface expects a pair (new state, metrics)"),
-    ("step_restructures", "returned a state of another structure than init's"),
+    ("step_restructures", "returned a state of another tree than init's: new leaf extra"),
 ]
 
 
