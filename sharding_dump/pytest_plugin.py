@@ -203,7 +203,9 @@ class GoldenChecker:
                 outcome, kind = goldens.update(case, self.root, repair=True)
                 self._note(kind)
                 for what in outcome.replaced:  # the summary says what the update replaced unread
-                    self._note(f"{REPLACED}{outcome.folder / what}")
+                    from sharding_dump.golden.engine import display
+
+                    self._note(f"{REPLACED}{display(outcome.folder)}/{what}")
                 return outcome
             outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
