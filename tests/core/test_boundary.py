@@ -129,3 +129,35 @@ def test_a_time_limit_is_a_positive_bounded_number(value):
     with pytest.raises(BadInput, match="give a number of seconds greater than 0"):
         with time_limit(value):
             pass
+
+
+def test_the_python_api_calls_the_users_model_at_the_boundary():
+    """sd.dump_model: a factory or a model call that exits, or runs past the time limit, is one
+    UserCodeError line (the API's callers get BadInput, as the CLI's get exit 2)."""
+    import sys
+
+    import flax.linen as nn
+    from jax.sharding import AbstractMesh, AxisType
+
+    import sharding_dump as sd
+
+    class Exits(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            sys.exit(5)
+
+    class Loops(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            loop()
+
+    def factory():
+        raise SystemExit(1)
+
+    mesh = AbstractMesh((2,), ("data",), (AxisType.Auto,))
+    with pytest.raises(UserCodeError, match=r"^the model call Exits\(tokens\) exited with SystemExit\(5\)"):
+        sd.dump_model(Exits(), mesh, [("batch", "data")], batch_shape=(2, 8))
+    with pytest.raises(UserCodeError, match=r"^the model factory .*factory exited with SystemExit\(1\)"):
+        sd.dump_model(factory, mesh, [("batch", "data")], batch_shape=(2, 8))
+    with time_limit(0.3), pytest.raises(UserCodeError, match=r"^the model call Loops\(tokens\) did not finish within"):
+        sd.dump_model(Loops(), mesh, [("batch", "data")], batch_shape=(2, 8))
