@@ -18,7 +18,8 @@ the options they share are built by :mod:`sharding_dump.commands.options`.
 CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump, or a MaxText
 run configuration: --maxtext-config RUN.yml [--topology T] [KEY=VALUE ...] (:mod:`sharding_dump.zoo.maxtext_config`).
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
-or `check` a finding, 2 on bad input (one line on stderr, nothing written).
+or `check` a finding, 2 on bad input (one line on stderr, nothing written; the user's code failing,
+exiting or running past --time-limit is bad input too), 130 on Ctrl-C.
 """
 
 from __future__ import annotations

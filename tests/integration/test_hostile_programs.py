@@ -475,3 +475,6 @@ def test_update_goldens_replaces_a_golden_too_large_or_a_folder(mini_project, mo
         "sharding-dump goldens: 1 updated, 0 created, 0 unchanged, 0 deleted"])
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == good
     run().assert_outcomes(passed=2)
+    documented = [line for line in (REPO / "docs/errors-and-limits.md").read_text().splitlines()
+                  if line.startswith("sharding-dump: replaced ")]
+    assert documented and all(line.replace("<case>", TINY_CASE) in repaired.stdout.lines for line in documented)
