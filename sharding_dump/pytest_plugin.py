@@ -189,9 +189,9 @@ class GoldenChecker:
     def check(self, case: "Case") -> "Outcome":
         """Fails the test (one line, or the diff) unless the case's dump equals its golden; every call
         into the user's code it makes is bounded by the time limit."""
-        from sharding_dump.core.boundary import time_limit
+        from sharding_dump.commands.options import time_limit_of
 
-        with time_limit(self.time_limit):
+        with time_limit_of(self.time_limit):
             return self._check(case)
 
     def _check(self, case: "Case") -> "Outcome":

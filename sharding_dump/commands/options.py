@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ContextManager
 
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.resources import MAX_DIGITS
@@ -85,6 +85,14 @@ def seconds(text: str) -> float:
 def add_time_limit_option(parser: argparse.ArgumentParser) -> None:
     """--time-limit: the bound on each call into the user's code and on each compile."""
     parser.add_argument("--time-limit", type=seconds, metavar="SECONDS", help=TIME_LIMIT_HELP)
+
+
+def time_limit_of(seconds: float | None) -> ContextManager[None]:
+    """The block within which each call into the user's code may take `seconds` (--time-limit,
+    pytest's --sharding-time-limit; None: the default of data/time_limits.yml)."""
+    from sharding_dump.core.boundary import time_limit
+
+    return time_limit(seconds)
 
 
 def add_settings_argument(parser: argparse.ArgumentParser) -> None:

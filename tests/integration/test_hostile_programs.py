@@ -334,9 +334,10 @@ def make():
 def _start(user_repo: Path, argv: list[str], ignore_sigint: bool = False) -> subprocess.Popen:
     (user_repo / "looping.py").write_text(textwrap.dedent(LOOPING))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.cli", *argv], cwd=user_repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+    command = [sys.executable, "-m", "sharding_dump.commands.cli", *argv]
+    if ignore_sigint:  # as a shell starts a background job: SIGINT ignored, inherited through exec
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+    return subprocess.Popen(command, cwd=user_repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _interrupt_when_started(proc: subprocess.Popen, marker: Path) -> tuple[int, str, float]:
