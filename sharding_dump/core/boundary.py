@@ -9,8 +9,9 @@ raise anything, call `sys.exit`, loop forever or be interrupted. :func:`guard` r
   a UserCodeError names the call and the limit. The time runs per outermost call; a call nested
   in another runs on what is left of the outer one's time, or its own shorter limit;
 * what the call changes in the process that decides where and what the harness reads and writes
-  is put back when it returns: the working directory, the environment and jax's numeric
-  configuration (`KEPT_JAX_OPTIONS`), so a factory that calls `os.chdir` moves no path;
+  is put back when it returns: the working directory, the environment, jax's numeric
+  configuration (`KEPT_JAX_OPTIONS`) and `sys.stdout` / `sys.stderr`, so a factory that calls
+  `os.chdir` moves no path and one that silences stderr hides no error line;
 * Ctrl-C (SIGINT) still ends the run: a `KeyboardInterrupt` the terminal sent passes through (the
   CLI exits 130); one the user's code raised itself is a UserCodeError like any other.
 
@@ -180,7 +181,7 @@ def _arm(deadline: float) -> None:
     _thread.watchdog.start()
 
 
-def _process_state() -> tuple[str | None, dict[str, str], dict[str, Any]]:
+def _process_state() -> tuple[Any, ...]:
     try:
         cwd: str | None = os.getcwd()
     except OSError:  # removed under us: nothing to go back to
@@ -188,13 +189,13 @@ def _process_state() -> tuple[str | None, dict[str, str], dict[str, Any]]:
     jax = sys.modules.get("jax")
     options = {name: getattr(jax.config, name) for name in KEPT_JAX_OPTIONS
                if jax is not None and hasattr(jax.config, name)}
-    return cwd, dict(os.environ), options
+    return cwd, dict(os.environ), options, sys.stdout, sys.stderr
 
 
-def _restore_process(saved: tuple[str | None, dict[str, str], dict[str, Any]]) -> None:
+def _restore_process(saved: tuple[Any, ...]) -> None:
     if not saved:
         return
-    cwd, environ, options = saved
+    cwd, environ, options, sys.stdout, sys.stderr = saved  # a call that silenced them cannot hide our line
     try:
         if cwd is not None and os.getcwd() != cwd:
             os.chdir(cwd)

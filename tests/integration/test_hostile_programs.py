@@ -68,6 +68,9 @@ def _raise(exc):
     raise exc
 
 
+def silenced_exit():
+    sys.stderr = sys.stdout = open(os.devnull, "w")
+    sys.exit(0)
 def exit0(): raise SystemExit(0)
 def exit3(): sys.exit(3)
 def exit_text(): sys.exit("bye")
@@ -152,6 +155,8 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("factory-KeyboardInterrupt", factory("interrupt"), "raised KeyboardInterrupt with no Ctrl-C"),
     ("factory-BaseException", factory("custom"), "the model factory hostile_user:custom failed with Custom: odd"),
     ("factory-GeneratorExit", factory("generator_exit"), "failed with GeneratorExit"),
+    ("factory-silences-stderr-and-exits", factory("silenced_exit"), "hostile_user:silenced_exit exited with "
+                                                                     "SystemExit(0)"),
     ("factory-MemoryError", factory("memory"), "failed with MemoryError: cannot allocate"),
     ("import-SystemExit-0", ["--model", "imp_exit0:make", "--rule", "rules.yml", *SIZES],
      "importing imp_exit0 (for model imp_exit0:make) exited with SystemExit(0)"),
