@@ -71,6 +71,7 @@ def _raise(exc):
 def silenced_exit():
     sys.stderr = sys.stdout = open(os.devnull, "w")
     sys.exit(0)
+def none(): return None
 def exit0(): raise SystemExit(0)
 def exit3(): sys.exit(3)
 def exit_text(): sys.exit("bye")
@@ -389,6 +390,7 @@ def test_ctrl_c_ends_verify_and_its_child(user_repo):
 
 
 VERIFY_PROBES = [
+    ("factory-None", "none", [], 2, "sharding-dump: error: the model factory hostile_user:none returned NoneType"),
     ("step-sys.exit", "step_exit3", [], 2,
      "sharding-dump: error: the program's train_step step_exit3.<locals>.<lambda> exited with SystemExit(3)"),
     ("step-loop", "step_loops", ["--time-limit", "1"], 2,
