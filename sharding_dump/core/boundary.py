@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from sharding_dump.errors import BadInput, one_line, shown
 
@@ -143,7 +143,7 @@ _thread = _Thread()
 
 
 def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+    return threading.get_ident() == threading.main_thread().ident
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
@@ -210,16 +210,16 @@ def _restore_process(saved: tuple[Any, ...]) -> None:
             jax.config.update(name, value)
 
 
-def _enter_outermost(restore: bool) -> None:
+def _enter_outermost(user: bool) -> None:
     _thread.interrupted = False
-    _thread.process = _process_state() if restore else ()
+    _thread.process = _process_state() if user else ()
     if _in_main_thread():
         alarm = signal.signal(signal.SIGALRM, _on_alarm)
         previous_timer = signal.setitimer(signal.ITIMER_REAL, 0)
-        interrupt = signal.getsignal(signal.SIGINT)
+        interrupt = signal.getsignal(signal.SIGINT) if user else signal.SIG_IGN
         if interrupt is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, _on_interrupt)
-        _thread.saved = (alarm, interrupt, previous_timer, time.monotonic())
+        _thread.saved = (alarm, interrupt, previous_timer, time.monotonic(), user)
 
 
 def _leave_outermost() -> None:
@@ -227,7 +227,7 @@ def _leave_outermost() -> None:
     _thread.process = ()
     if _in_main_thread():
         signal.setitimer(signal.ITIMER_REAL, 0)
-        alarm, interrupt, (delay, interval), started = _thread.saved
+        alarm, interrupt, (delay, interval), started, _ = _thread.saved
         if interrupt is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, interrupt)
         signal.signal(signal.SIGALRM, alarm)
@@ -255,18 +255,19 @@ def interrupted() -> bool:
 
 @contextlib.contextmanager
 def guard(what: str, detail: str = "", limit: float | None = None, hint: str = LIMIT_HINT,
-          error: type[BadInput] = UserCodeError, restore: bool = True) -> Iterator[None]:
+          error: type[BadInput] = UserCodeError, user: bool = True) -> Iterator[None]:
     """Runs a call into the user's code, `what` naming it ("the model factory make_lm"); `detail`
     (what was passed, what the interface expects) follows the reason in parentheses. Everything
     that leaves the call but a BadInput of a nested guard and a real Ctrl-C becomes `error` (one
-    line); `limit` replaces the time limit, `hint` says where it is set; `restore=False` leaves the
-    working directory, environment and jax options unwatched (a call that cannot change them)."""
+    line); `limit` replaces the time limit, `hint` says where it is set. `user=False` is for a bounded
+    block of the harness's own (regex searches): nothing is put back after it, and any
+    KeyboardInterrupt in it is Ctrl-C."""
     seconds = current_limit() if limit is None else limit
     now = time.monotonic()
     call = _Call(what, seconds, now + seconds)
     outermost = not _thread.calls
     if outermost:
-        _enter_outermost(restore)
+        _enter_outermost(user)
     _thread.calls.append(call)
     _arm(min(c.deadline for c in _thread.calls))
     suffix = f" ({detail})" if detail else ""
@@ -280,7 +281,7 @@ def guard(what: str, detail: str = "", limit: float | None = None, hint: str = L
         raise error(one_line(f"{what} did not finish within the time limit of {seconds_text(seconds)} "
                              f"({hint})")) from None
     except KeyboardInterrupt as err:
-        if _thread.interrupted:
+        if _thread.interrupted or not user:
             raise  # Ctrl-C: the run ends (exit 130)
         raise error(one_line(f"{what} raised {first_line(err)} with no Ctrl-C{suffix}")) from None
     except SystemExit as err:
@@ -298,13 +299,39 @@ def guard(what: str, detail: str = "", limit: float | None = None, hint: str = L
 
 # --- regexes from rule files -------------------------------------------------------------------------
 
-def bounded_search(pattern: str, text: str, where: str) -> bool:
-    """`re.search(pattern, text)` within the regex time limit: a regex that backtracks without end
-    (`(a+)+$`) on a long path is one line naming `where` (the rule) instead of a hang."""
+@dataclasses.dataclass
+class _Search:
+    where: str = ""
+    pattern: str = ""
+    text: str = ""
+
+
+@contextlib.contextmanager
+def bounded_regexes() -> Iterator[Callable[[str, str, str], bool]]:
+    """A block of rule-file regex searches (those of one parameter path, or of one rule over a
+    model's paths) bounded by the regex time limit as a whole: a sane regex takes microseconds. It yields `search(pattern, text, where)`,
+    `re.search` that notes what it searches: a regex that backtracks without end (`(a+)+$`) on a long
+    path is one line naming `where` (the rule), the regex and the text, instead of a hang."""
+    now = _Search()
+
+    def search(pattern: str, text: str, where: str) -> bool:
+        now.where, now.pattern, now.text = where, pattern, text
+        return re.search(pattern, text) is not None
+
     try:
-        with guard(f"{where}: the regex {shown(pattern)} on {shown(text)}", limit=regex_limit(),
-                   hint="regex_seconds of sharding_dump/data/time_limits.yml", restore=False):
-            return re.search(pattern, text) is not None
+        with guard("searching rule-file regexes", limit=regex_limit(),
+                   hint="regex_seconds of sharding_dump/data/time_limits.yml", user=False):
+            yield search
     except UserCodeError as err:
-        raise BadInput(f"{err}; a regex with nested repetition such as (a+)+ backtracks without end: write it "
-                       "without nesting, e.g. a+") from None
+        if "did not finish" not in str(err):
+            raise
+        raise BadInput(one_line(f"{now.where}: the regex {shown(now.pattern)} on {shown(now.text)} did not finish "
+                                f"within the time limit of {seconds_text(regex_limit())} (regex_seconds of "
+                                "sharding_dump/data/time_limits.yml); a regex with nested repetition such as (a+)+ "
+                                "backtracks without end: write it without nesting, e.g. a+")) from None
+
+
+def bounded_search(pattern: str, text: str, where: str) -> bool:
+    """One `re.search` within the regex time limit (see :func:`bounded_regexes`)."""
+    with bounded_regexes() as search:
+        return search(pattern, text, where)

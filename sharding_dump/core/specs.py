@@ -106,7 +106,8 @@ def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
     >>> match_path_rule([PathRule("attention/w[qkv]/kernel"), PathRule(".*")], "h/0/attention/wq/kernel")
     0
     """
-    from sharding_dump.core.boundary import bounded_search
+    from sharding_dump.core.boundary import bounded_regexes
 
-    return next((i for i, r in enumerate(path_rules)
-                 if bounded_search(r.pattern, path, f"partition rule {r.where or repr(r.pattern)}")), None)
+    with bounded_regexes() as search:  # the searches of one path, bounded: a rule file's regex may backtrack
+        return next((i for i, r in enumerate(path_rules)
+                     if search(r.pattern, path, f"partition rule {r.where or repr(r.pattern)}")), None)

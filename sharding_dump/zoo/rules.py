@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from sharding_dump.core.boundary import bounded_search
+from sharding_dump.core.boundary import bounded_regexes, bounded_search
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
 from sharding_dump.errors import BadInput, shown
@@ -254,8 +254,9 @@ def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list
     """Partition rules whose regex is found in no parameter path of the model (a typo, or a rule file
     written for another model)."""
     paths = [path[len(PARAMS):] for path, _, _ in leaves if path.startswith(PARAMS)]
-    return [rule for rule in rule_set.partition_rules
-            if not any(bounded_search(rule.pattern, p, f"partition rule {rule.where}") for p in paths)]
+    with bounded_regexes() as search:
+        return [rule for rule in rule_set.partition_rules
+                if not any(search(rule.pattern, p, f"partition rule {rule.where}") for p in paths)]
 
 
 def shadowed_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[tuple[PathRule, PathRule, str]]:
@@ -266,7 +267,8 @@ def shadowed_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[
     winner = {path: match_path_rule(rules_, path) for path in paths}
     out = []
     for index, rule in enumerate(rules_):
-        matched = [p for p in paths if bounded_search(rule.pattern, p, f"partition rule {rule.where}")]
+        with bounded_regexes() as search:
+            matched = [p for p in paths if search(rule.pattern, p, f"partition rule {rule.where}")]
         if matched and all(winner[p] is not None and winner[p] < index for p in matched):
             out.append((rule, rules_[winner[matched[0]]], matched[0]))
     return out

@@ -124,6 +124,16 @@ def test_a_backtracking_regex_is_bounded():
     assert bounded_search("attention/w[qkv]", "transformer/h/0/attention/wq/kernel", "rule")
 
 
+def test_ctrl_c_in_a_bounded_regex_block_passes_through():
+    from sharding_dump.core.boundary import bounded_regexes
+
+    with pytest.raises(KeyboardInterrupt):
+        with bounded_regexes() as search:
+            assert search("a", "ab", "rule")
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+
+
 @pytest.mark.parametrize("value", [0, -1, "abc", float("nan"), float("inf"), True, 1e9])
 def test_a_time_limit_is_a_positive_bounded_number(value):
     with pytest.raises(BadInput, match="give a number of seconds greater than 0"):
