@@ -78,10 +78,12 @@ class Input:
                                f"one of {', '.join(map(repr, SIZES))}")
         object.__setattr__(self, "shape", tuple(shape))
         try:
-            jnp.dtype(self.dtype)
+            numeric = jnp.issubdtype(jnp.dtype(self.dtype), jnp.number) or jnp.dtype(self.dtype) == jnp.bool_
         except (TypeError, ValueError):
-            raise ProgramError(f"Input(dtype={shown(self.dtype)}): not a dtype; give a numpy or JAX dtype such as "
-                               "'int32', 'float32' or 'bfloat16'") from None
+            numeric = False
+        if not numeric:
+            raise ProgramError(f"Input(dtype={shown(self.dtype)}): not a numeric dtype; give a numpy or JAX dtype such as "
+                               "'int32', 'float32' or 'bfloat16'")
         if axes is None:
             return
         if isinstance(axes, (str, bytes)) or not isinstance(axes, Sequence) or not all(
@@ -339,8 +341,9 @@ class ModelProgram:
             else:
                 logits = output
         tokens = batch["inputs"].shape
-        if getattr(logits, "ndim", None) != 3 or tuple(logits.shape[:2]) != tuple(tokens):
-            raise ProgramError(f"the model's output {describe(output)} holds no logits [batch, length, vocab] for "
+        if getattr(logits, "ndim", None) != 3 or tuple(logits.shape[:2]) != tuple(tokens) \
+                or not jnp.issubdtype(logits.dtype, jnp.floating):
+            raise ProgramError(f"the model's output {describe(output)} holds no float logits [batch, length, vocab] for "
                                f"tokens {describe(batch['inputs'])}; name them with ModelProgram(logits=...): an "
                                "attribute or key, an index, or a function of the output")
         return logits
@@ -401,7 +404,13 @@ class TrainProgram:
         """`init(key)` under `jax.eval_shape` (call it inside the case's mesh and rules)."""
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
-            return jax.eval_shape(self.init, key)
+            state = jax.eval_shape(self.init, key)
+        paths = [path_text(k) for k, _ in jax.tree_util.tree_leaves_with_path(state)]
+        if not any(path == "params" or path.startswith("params/") for path in paths):
+            raise ProgramError(f"the program's init {_name(self.init)} returned {describe(state)}, a state with no "
+                               "parameters; the interface expects the training state with its parameters under "
+                               "`params` (a field or key, as flax's TrainState holds them) and the optimizer state")
+        return state
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""

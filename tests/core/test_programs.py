@@ -276,7 +276,7 @@ def init_fails():
     return sd.TrainProgram(lambda key: 1 / 0, lambda state, batch: (state, {}))
 
 def _state(key):
-    return {"w": jnp.zeros((4, 4))}
+    return {"params": {"w": jnp.zeros((4, 4))}}
 
 def step_fails():
     return sd.TrainProgram(_state, lambda state, batch: state["missing"])
@@ -285,7 +285,7 @@ def step_single():
     return sd.TrainProgram(_state, lambda state, batch: state)
 
 def step_restructures():
-    return sd.TrainProgram(_state, lambda state, batch: ({"w": state["w"], "extra": 1.0}, {}))
+    return sd.TrainProgram(_state, lambda state, batch: ({"params": state["params"], "extra": 1.0}, {}))
 '''
 
 FAILURES = [
@@ -295,7 +295,7 @@ FAILURES = [
                     "arguments: 'cache' and 'attention_mask' (the harness passed Transformer(int32[16,64], "
                     "positions=int32[16,64], rngs=Rngs(dropout)); the model's call is Transformer.__call__(self, "
                     "last_tokens, positions, cache, attention_mask, rngs=None);"),
-    ("no_logits", "the model's output {hidden: float32[16,64,8]} holds no logits [batch, length, vocab]"),
+    ("no_logits", "the model's output {hidden: float32[16,64,8]} holds no float logits [batch, length, vocab]"),
     ("hook_fails", "the call hook hook_fails.<locals>.<lambda> failed with KeyError: 'missing' (the harness passed "
                    "call(model, {inputs: int32[1,8]"),
     ("input_fails", "computing input 'mask' with input_fails.<locals>.<lambda> failed with KeyError: 'nothing'"),
@@ -304,7 +304,7 @@ FAILURES = [
     ("init_fails", "the program's init init_fails.<locals>.<lambda> failed with ZeroDivisionError: division by zero "
                    "(the harness passed init(key<fry>[]); init(key) returns the training state)"),
     ("step_fails", "the program's train_step step_fails.<locals>.<lambda> failed with KeyError: 'missing'"),
-    ("step_single", "returned {w: float32[4,4]}; the interface expects a pair (new state, metrics)"),
+    ("step_single", "returned {params: {w: float32[4,4]}}; the interface expects a pair (new state, metrics)"),
     ("step_restructures", "returned a state of another tree than init's: new leaf extra"),
 ]
 

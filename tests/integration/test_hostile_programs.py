@@ -57,7 +57,11 @@ def tiny():
 
 
 def _init(key):
-    return {"w": jnp.zeros((4, 4)), "step": jnp.zeros((), jnp.int32)}
+    return {"params": {"w": jnp.zeros((4, 4))}, "step": jnp.zeros((), jnp.int32)}
+
+
+def _with_w(state, w):
+    return {**state, "params": {"w": w}}
 
 
 def _program(step):
@@ -99,13 +103,17 @@ def hook_exit(): return sd.ModelProgram(Tiny(), call=lambda model, batch, rngs: 
 def input_exit(): return sd.ModelProgram(Tiny(), inputs={"mask": lambda batch: sys.exit(5)})
 def logits_custom(): return sd.ModelProgram(Tiny(), logits=lambda out: _raise(Custom("no logits")))
 
-def step_str_leaf(): return _program(lambda state, batch: ({**state, "w": "weights"}, {}))
-def step_other_shape(): return _program(lambda state, batch: ({**state, "w": jnp.zeros((4, 8))}, {}))
-def step_other_dtype(): return _program(lambda state, batch: ({**state, "w": jnp.zeros((4, 4), jnp.bfloat16)}, {}))
-def step_lost_leaf(): return _program(lambda state, batch: ({"w": state["w"]}, {}))
+def step_str_leaf(): return _program(lambda state, batch: (_with_w(state, "weights"), {}))
+def step_other_shape(): return _program(lambda state, batch: (_with_w(state, jnp.zeros((4, 8))), {}))
+def step_other_dtype(): return _program(lambda state, batch: (_with_w(state, jnp.zeros((4, 4), jnp.bfloat16)), {}))
+def step_lost_leaf(): return _program(lambda state, batch: ({"params": state["params"]}, {}))
 def step_str_metric(): return _program(lambda state, batch: (state, {"loss": "low"}))
 def step_none_leaf(): return _program(lambda state, batch: ({**state, "step": None}, {}))
 
+def str_dtype(): return sd.ModelProgram(Tiny(), inputs={"mask": sd.Input(dtype="str")})
+def int_logits(): return sd.ModelProgram(Tiny(), logits=lambda out: out.astype(jnp.int32))
+def init_no_params(): return sd.TrainProgram(lambda key: {"w": 1.5}, lambda state, batch: (state, {}))
+def init_none(): return sd.TrainProgram(lambda key: None, lambda state, batch: (state, {}))
 def bad_dtype(): return sd.ModelProgram(Tiny(), inputs={"mask": sd.Input(dtype="notadtype")})
 def bad_axes(): return sd.ModelProgram(Tiny(), inputs={"mask": sd.Input(logical_axes=(3, None))})
 def axes_rank(): return sd.ModelProgram(Tiny(), inputs={"mask": sd.Input(logical_axes=("batch",))})
@@ -198,7 +206,12 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("time-limit-text", factory("tiny") + ["--time-limit", "soon"], "argument --time-limit: 'soon'"),
     ("time-limit-inf", factory("tiny") + ["--time-limit", "inf"], "at most 10000000"),
     # --- arguments checked where they are given ------------------------------------------------------
-    ("Input-dtype", factory("bad_dtype"), "Input(dtype='notadtype'): not a dtype; give a numpy or JAX dtype"),
+    ("Input-dtype", factory("bad_dtype"), "Input(dtype='notadtype'): not a numeric dtype; give a numpy or JAX dtype"),
+    ("Input-dtype-str", factory("str_dtype"), "Input(dtype='str'): not a numeric dtype"),
+    ("logits-int", factory("int_logits"), "the model's output float32[2,8,64] holds no float logits [batch, length, vocab]"),
+    ("init-no-params", factory("init_no_params"), "the program's init init_no_params.<locals>.<lambda> returned "
+                                                  "{w: float32[]}, a state with no parameters"),
+    ("init-None", factory("init_none"), "returned None, a state with no parameters"),
     ("Input-logical-axes-int", factory("bad_axes"), "Input(logical_axes=(3, None)): give a tuple of logical axis names"),
     ("Input-logical-axes-rank", factory("axes_rank"), "Input(logical_axes=('batch',)): 1 names for a rank-2 shape"),
     ("Input-logical-axes-str", factory("axes_string"), "Input(logical_axes='batch'): give a tuple"),
@@ -220,10 +233,10 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("TrainProgram-batch-value", factory("train_batch_value"), "TrainProgram(batch=...): field 'inputs' is 5"),
     ("TrainProgram-batch-empty", factory("train_batch_empty"), "TrainProgram(batch={}): give a non-empty mapping"),
     # --- what a step returns -------------------------------------------------------------------------
-    ("step-str-leaf", factory("step_str_leaf"), "returned 'weights' at w, not an array"),
-    ("step-other-shape", factory("step_other_shape"), "returned float32[4,8] at w, where the state it was given holds "
+    ("step-str-leaf", factory("step_str_leaf"), "returned 'weights' at params/w, not an array"),
+    ("step-other-shape", factory("step_other_shape"), "returned float32[4,8] at params/w, where the state it was given holds "
                                                       "float32[4,4]"),
-    ("step-other-dtype", factory("step_other_dtype"), "returned bfloat16[4,4] at w"),
+    ("step-other-dtype", factory("step_other_dtype"), "returned bfloat16[4,4] at params/w"),
     ("step-lost-leaf", factory("step_lost_leaf"), "a state of another tree than init's: missing leaf step"),
     ("step-None-leaf", factory("step_none_leaf"), "a state of another tree than init's: missing leaf step"),
     ("step-str-metric", factory("step_str_metric"), "metrics with 'low' at loss, not an array or a number"),
