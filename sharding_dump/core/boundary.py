@@ -142,8 +142,10 @@ class _Thread(threading.local):
 _thread = _Thread()
 
 
-def _in_main_thread() -> bool:
-    return threading.get_ident() == threading.main_thread().ident
+def _signals_bound_calls() -> bool:
+    """True where signals can bound a call: the main thread, on a system with SIGALRM timers (not
+    Windows, where every thread gets the watchdog)."""
+    return hasattr(signal, "setitimer") and threading.get_ident() == threading.main_thread().ident
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
@@ -162,7 +164,7 @@ def _on_interrupt(signum: int, frame: Any) -> None:
 def _arm(deadline: float) -> None:
     """Sets the timer (main thread) or the watchdog (other threads) to fire at `deadline`."""
     delay = max(deadline - time.monotonic(), 1e-6)
-    if _in_main_thread():
+    if _signals_bound_calls():
         signal.setitimer(signal.ITIMER_REAL, delay)
         return
     if _thread.watchdog is not None:
@@ -213,7 +215,7 @@ def _restore_process(saved: tuple[Any, ...]) -> None:
 def _enter_outermost(user: bool) -> None:
     _thread.interrupted = False
     _thread.process = _process_state() if user else ()
-    if _in_main_thread():
+    if _signals_bound_calls():
         alarm = signal.signal(signal.SIGALRM, _on_alarm)
         previous_timer = signal.setitimer(signal.ITIMER_REAL, 0)
         interrupt = signal.getsignal(signal.SIGINT) if user else signal.SIG_IGN
@@ -225,7 +227,7 @@ def _enter_outermost(user: bool) -> None:
 def _leave_outermost() -> None:
     _restore_process(_thread.process)
     _thread.process = ()
-    if _in_main_thread():
+    if _signals_bound_calls():
         signal.setitimer(signal.ITIMER_REAL, 0)
         alarm, interrupt, (delay, interval), started, _ = _thread.saved
         if interrupt is not signal.SIG_IGN:
