@@ -191,7 +191,7 @@ class GoldenChecker:
         into the user's code it makes is bounded by the time limit."""
         from sharding_dump.commands.options import time_limit_of
 
-        with time_limit_of(self.time_limit):
+        with time_limit_of(self.time_limit, project=False):  # the project's limit is in self.time_limit
             return self._check(case)
 
     def _check(self, case: "Case") -> "Outcome":
@@ -240,8 +240,10 @@ class GoldenChecker:
 
 
 def checker_for(config: pytest.Config, item: pytest.Item | None) -> GoldenChecker:
-    return GoldenChecker(project_of(config).golden_dir, config.getoption("--update-goldens"), item,
-                         config.getoption("--sharding-verify"), config.getoption("--sharding-time-limit"))
+    project = project_of(config)
+    limit = config.getoption("--sharding-time-limit")
+    return GoldenChecker(project.golden_dir, config.getoption("--update-goldens"), item,
+                         config.getoption("--sharding-verify"), project.time_limit if limit is None else limit)
 
 
 @pytest.fixture

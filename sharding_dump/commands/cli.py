@@ -93,9 +93,9 @@ def run(argv: Sequence[str]) -> int:
     word_given = bool(argv) and argv[0] in COMMANDS
     name = argv[0] if word_given else DEFAULT
     args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
-    from sharding_dump.core.boundary import time_limit
+    from sharding_dump.commands.options import time_limit_of
 
-    with time_limit(getattr(args, "time_limit", None)):
+    with time_limit_of(getattr(args, "time_limit", None), hasattr(args, "time_limit")):
         return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
 
 

@@ -68,8 +68,8 @@ def add_case_options(parser: argparse.ArgumentParser, all_help: str | None = Non
 
 
 TIME_LIMIT_HELP = ("seconds each call into the user's code (import, factory, init, model call, train_step, "
-                   "optimizer) and each verify compile may take; then one error line, exit 2 (default: "
-                   "user_code_seconds of sharding_dump/data/time_limits.yml)")
+                   "optimizer) and each verify compile may take; then one error line, exit 2 (default: time-limit "
+                   "of [tool.sharding-dump], else user_code_seconds of sharding_dump/data/time_limits.yml)")
 
 
 def seconds(text: str) -> float:
@@ -87,11 +87,15 @@ def add_time_limit_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=seconds, metavar="SECONDS", help=TIME_LIMIT_HELP)
 
 
-def time_limit_of(seconds: float | None) -> ContextManager[None]:
+def time_limit_of(seconds: float | None, project: bool = True) -> ContextManager[None]:
     """The block within which each call into the user's code may take `seconds` (--time-limit,
-    pytest's --sharding-time-limit; None: the default of data/time_limits.yml)."""
+    pytest's --sharding-time-limit); None: `time-limit` of [tool.sharding-dump] (when `project`),
+    else the default of data/time_limits.yml."""
     from sharding_dump.core.boundary import time_limit
+    from sharding_dump.zoo.project import load_project
 
+    if seconds is None and project:
+        seconds = load_project().time_limit
     return time_limit(seconds)
 
 

@@ -499,3 +499,16 @@ def test_update_goldens_replaces_a_golden_too_large_or_a_folder(mini_project, mo
     documented = [line for line in (REPO / "docs/errors-and-limits.md").read_text().splitlines()
                   if line.startswith("sharding-dump: replaced ")]
     assert documented and all(line.replace("<case>", TINY_CASE) in repaired.stdout.lines for line in documented)
+
+
+def test_the_projects_time_limit_is_a_setting_the_option_overrides(user_repo, capsys):
+    """`time-limit` of [tool.sharding-dump]; --time-limit overrides it; a bad value is one line."""
+    (user_repo / "pyproject.toml").write_text("[tool.sharding-dump]\ntime-limit = 0.5\n")
+    assert cli.main(factory("loops")) == 2
+    assert "hostile_user:loops did not finish within the time limit of 0.5 s" in capsys.readouterr().err
+    assert cli.main(factory("loops") + ["--time-limit", "0.25"]) == 2
+    assert "within the time limit of 0.25 s" in capsys.readouterr().err
+    (user_repo / "pyproject.toml").write_text("[tool.sharding-dump]\ntime-limit = 0\n")
+    assert cli.main(factory("loops")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "field time-limit" in err, err
