@@ -430,6 +430,18 @@ def test_a_verify_child_killed_or_out_of_memory_is_named(user_repo, capsys):
     assert cli.main(["verify", "--model", "dying:make", "--rule", "rules.yml", *SIZES, "--golden-dir", "golden"]) == 1
     assert "compile failed: the compiling process was killed by SIGKILL (the kernel's out-of-memory killer" \
         in capsys.readouterr().out
+    (user_repo / "starved.py").write_text(textwrap.dedent("""
+        import resource
+        from hostile_user import tiny
+        def make():  # memory runs out in the compiler, after the user's code returned
+            with open("/proc/self/status") as status:
+                size = next(int(line.split()[1]) for line in status if line.startswith("VmSize:")) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY))
+            return tiny()
+    """))
+    assert cli.main(["verify", "--model", "starved:make", "--rule", "rules.yml", *SIZES, "--golden-dir", "golden"]) == 1
+    out = capsys.readouterr().out
+    assert "compile failed: the compiling process " in out and ("MemoryError" in out or "killed by SIGABRT: " in out), out
     assert cli.main(["verify", "--model", "hostile_user:memory", "--rule", "rules.yml", *SIZES,
                      "--golden-dir", "golden"]) == 2
     assert "failed with MemoryError: cannot allocate" in capsys.readouterr().err

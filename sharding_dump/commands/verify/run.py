@@ -81,15 +81,17 @@ def _child_failure(returncode: int, answer: dict[str, Any], log_text: str) -> st
     as MemoryError), else by the signal that killed it, else by the last line it wrote."""
     if answer.get("error"):
         return f"the compiling process failed with {answer['error']}"
+    tail = [line.strip() for line in log_text.splitlines() if line.strip()][-1:]
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        why = " (the kernel's out-of-memory killer sends it when memory runs out)" if name == "SIGKILL" else ""
-        return f"the compiling process was killed by {name}{why}"
-    tail = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
-    return f"the compiling process exited with status {returncode}: {tail[0][:500]}"
+        if name == "SIGKILL":  # no last words: the kernel's OOM killer gives none
+            return f"the compiling process was killed by {name} (the kernel's out-of-memory killer sends it when " \
+                   "memory runs out)"
+        return f"the compiling process was killed by {name}" + (f": {tail[0][:500]}" if tail else "")
+    return f"the compiling process exited with status {returncode}: {(tail or ['(no output)'])[0][:500]}"
 
 
 def case_request(case: Any) -> dict[str, Any]:
