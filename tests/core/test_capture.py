@@ -242,3 +242,17 @@ def test_a_programs_own_activation_sharding_fails_its_golden(tmp_path, monkeypat
     assert cli.main(["diff", str(folders[0]), str(folders[1])]) == 1
     report = capsys.readouterr().out
     assert hidden in report and "reshard-" not in report
+
+
+def test_the_activations_page_example_prints_what_it_shows(capsys, tmp_path, monkeypatch):
+    """docs/activations.md: its example, run as a file, prints the keys the page shows."""
+    import re
+    import runpy
+
+    page = (REPO / "docs/activations.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    shown = re.findall(r"```\n((?:forward|backward)/.*?)```", page, re.S)[0]
+    (tmp_path / "example.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(tmp_path / "example.py"))
+    assert capsys.readouterr().out == shown
