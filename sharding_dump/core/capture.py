@@ -499,9 +499,10 @@ def _walk(closed: ClosedJaxpr, rec: Recording) -> tuple[list[_Placed], list[tupl
     a typed placement's cotangent."""
     placed: list[_Placed] = []
     transposed: list[tuple[JaxprEqn, str]] = []
+    any_typed = False  # transposed equations matter only after a typed placement (they follow it)
     for eqn, full, siblings, index in _equations(closed, ()):
         found = _placement(eqn)
-        if found is None and not full:
+        if found is None and not (full and any_typed):
             continue
         stack = "/".join(full)
         parts = stack.split("/")
@@ -512,6 +513,7 @@ def _walk(closed: ClosedJaxpr, rec: Recording) -> tuple[list[_Placed], list[tupl
         if found is None:
             continue
         is_typed, sharding = found
+        any_typed = any_typed or is_typed
         aval = eqn.outvars[0].aval
         shape = tuple(getattr(aval, "shape", ()))
         if not shape:
