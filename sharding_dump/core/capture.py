@@ -293,6 +293,18 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, flax)) + (__file__,)
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_library(file_name: str) -> bool:
+    """jax, jaxlib, flax, this module, and Python's own library (jax wraps some functions in a
+    `contextlib` decorator), but not what is installed beside it (site-packages: a program may be)."""
+    if file_name.startswith(_library_dirs()):
+        return True
+    return file_name.startswith(_STDLIB) and not any(d in file_name for d in ("site-packages", "dist-packages"))
+
+
+_STDLIB = os.path.dirname(contextlib.__file__) + os.sep
+
+
 @functools.cache
 def _flax_dir() -> str:
     import flax
@@ -323,12 +335,12 @@ def _origin(eqn: JaxprEqn) -> _Origin:
     if traceback is None:
         return _Origin((), None, 0, False, False, False)
     codes, lastis = traceback.raw_frames()
-    libraries, flax_dir = _library_dirs(), _flax_dir()
+    flax_dir = _flax_dir()
     chain: list[str] = []
     file, line, parameter, logical, argument, entered = None, 0, False, False, False, None
     for code, lasti in zip(codes, lastis):
         name = code.co_filename
-        if name.startswith(libraries):
+        if _is_library(name):
             if name.startswith(flax_dir):
                 parameter = parameter or _is_parameter_frame(name, code.co_qualname)
                 logical = logical or code.co_name == "with_logical_constraint"
