@@ -68,7 +68,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding_dump.core.legacy_mesh import legacy_mesh
 
 FORWARD, BACKWARD = "forward", "backward"
-PLAIN_NAME = "sharding_constraint"  # the name of a plain jax.lax.with_sharding_constraint call
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _MARKER = re.compile(r"activation:[A-Za-z0-9_.-]+@(\d+)\.(\d+)")
 _MODULE_SCOPE = "sharding_dump.module:"
@@ -83,10 +82,8 @@ _LOGICAL_CALLS = frozenset({"with_logical_constraint", "with_sharding_constraint
 class CallSite:
     """A :func:`constrain` call: its given name and logical axes."""
 
-    module: str
     name: str
     logical_axes: tuple[str | None, ...]
-    named: bool = False
 
 
 @dataclasses.dataclass
@@ -218,7 +215,7 @@ def _named(place: Callable[[], Any], name: str, axes: tuple[str | None, ...]) ->
     rec = _CURRENT.get()
     if rec is None:
         return place()
-    index = rec.note(CallSite("", name, axes, named=True))
+    index = rec.note(CallSite(name, axes))
     with jax.named_scope(f"activation:{name}@{rec.token}.{index}"):
         return place()
 
@@ -589,7 +586,7 @@ def _numbered(found: dict[tuple[str, str, str], list[Constraint]], rec: Recordin
         for rank, entry in enumerate(variants):
             out.append(entry if rank == 0 else dataclasses.replace(entry, name=f"{entry.name}-{rank + 1}"))
     traced = {c.name for c in out}
-    lost = sorted(s.name for s in rec.sites if s.named and s.name not in traced)
+    lost = sorted(s.name for s in rec.sites if s.name not in traced)
     if lost:
         raise ValueError(f"constrain() was called for {', '.join(dict.fromkeys(lost))} but no such constraint "
                          "reached the traced step (is its result unused?)")
