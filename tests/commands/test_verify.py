@@ -114,6 +114,29 @@ def test_sharding_verify_fails_the_case_test_with_the_report(mini_project):
     result.stdout.fnmatch_lines(["*FAIL * involuntary full rematerialization*", "*[[]remat[]]*/decoder/*/layers/*"])
 
 
+@pytest.mark.compile
+def test_jobs_compile_cases_at_once_and_report_them_in_order(tmp_path):
+    """`verify --all -j 2`: two cases, compiled by two child processes at once, are reported in the case
+    file's order with the figures compiling one at a time gives (the time saved is tools/bench.py's)."""
+    cases = tmp_path / "cases.yml"
+    overrides = ", ".join(setting.replace("=", ": ") for setting in SMALL)
+    cases.write_text("cases:\n" + "".join(f"  - {{model: {TINY}, topology: {topology}, rule: {DATA / 'clean.yml'}, "
+                                           f"overrides: {{{overrides}}}}}\n" for topology in ("cpu-2", "cpu-4")))
+
+    assert run_cli("--all", "--cases", str(cases), "--golden-dir", str(tmp_path / "g")).returncode == 0
+
+    def report(*jobs: str) -> str:
+        result = run_cli("verify", "--all", "--cases", str(cases), "--golden-dir", str(tmp_path / "g"),
+                         "--format", "json", *jobs)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    one, two = report(), report("-j", "2")
+    assert two == one  # the json report holds no timings: the same bytes
+    labels = [case["case"] for case in json.loads(two)["cases"]]
+    assert len(labels) == 2 and "/cpu-4/" in labels[1], labels
+
+
 def test_recorded_figures_that_differ_fail_the_case(tmp_path):
     """Comparison with recorded figures, on figures as the child reports them (no compile needed)."""
     from sharding_dump.zoo.case import Case
@@ -138,6 +161,8 @@ def test_recorded_figures_that_differ_fail_the_case(tmp_path):
     (["--replicated-threshold", "lots"], "--replicated-threshold 'lots': give a size such as 256MiB"),
     (["--tpu"], "--tpu: "),
     (["--format", "yaml"], "argument --format: invalid choice: 'yaml'"),
+    (["-j", "0"], "-j 0: give the number of cases to compile at once, 1 or more"),
+    (["--jobs", "two"], "argument -j/--jobs: 'two' is not a whole number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
     status = main(["verify", *case_args("clean"), "--golden-dir", str(tmp_path), *extra])
