@@ -3,7 +3,7 @@
 With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.zoo.project`) naming
 case files, `pytest` collects one test per case of them from that pyproject.toml, with no test code:
 the dump must equal its golden, byte for byte; plus one test that fails naming every golden path no
-case produces. `--update-goldens` rewrites what differs, creates what is missing, deletes the stale
+case produces. `--sharding-update` rewrites what differs, creates what is missing, deletes the stale
 paths, and prints how many goldens it updated, created, left unchanged and deleted (under
 pytest-xdist too). The ini options `sharding_dump_cases` and `sharding_dump_golden_dir` override the
 table.
@@ -43,7 +43,7 @@ REPLACED = "replaced "  # a kind that names a golden path an update replaced wit
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("sharding-dump")
-    group.addoption("--update-goldens", action="store_true", default=False,
+    group.addoption("--sharding-update", action="store_true", default=False,
                     help="rewrite golden files that differ from the dump, create missing ones, delete stale "
                          "ones (same bytes as the CLI writes)")
     group.addoption("--sharding-verify", action="store_true", default=False,
@@ -131,7 +131,7 @@ class CaseMatrix(pytest.File):
 
 
 class CaseItem(pytest.Item):
-    """One case: its dump must equal its golden (or, under --update-goldens, becomes it)."""
+    """One case: its dump must equal its golden (or, under --sharding-update, becomes it)."""
 
     def __init__(self, *, case: "Case", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -155,7 +155,7 @@ class CaseItem(pytest.Item):
 
 
 class StaleItem(pytest.Item):
-    """Golden paths no configured case produces: a failure naming them, deleted under --update-goldens."""
+    """Golden paths no configured case produces: a failure naming them, deleted under --sharding-update."""
 
     def __init__(self, *, cases: list["Case"], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -171,7 +171,7 @@ class StaleItem(pytest.Item):
 
 
 class GoldenChecker:
-    """Checks (or, under --update-goldens, rewrites) one case's golden folder, and notes on the test
+    """Checks (or, under --sharding-update, rewrites) one case's golden folder, and notes on the test
     item what it did for the summary line."""
 
     def __init__(self, root: Path, update: bool, item: pytest.Item | None = None, verify: bool = False,
@@ -226,7 +226,7 @@ class GoldenChecker:
         return outcome
 
     def check_stale(self, cases: Iterable["Case"]) -> list[Path]:
-        """Fails naming every golden path no case of `cases` produces; under --update-goldens removes
+        """Fails naming every golden path no case of `cases` produces; under --sharding-update removes
         them and returns what it removed."""
         from sharding_dump.golden import stale
         from sharding_dump.zoo.case import golden_dir
@@ -242,7 +242,7 @@ class GoldenChecker:
 def checker_for(config: pytest.Config, item: pytest.Item | None) -> GoldenChecker:
     project = project_of(config)
     limit = config.getoption("--sharding-time-limit")
-    return GoldenChecker(project.golden_dir, config.getoption("--update-goldens"), item,
+    return GoldenChecker(project.golden_dir, config.getoption("--sharding-update"), item,
                          config.getoption("--sharding-verify"), project.time_limit if limit is None else limit)
 
 
@@ -255,7 +255,7 @@ def sharding_golden(request: pytest.FixtureRequest) -> GoldenChecker:
 # --- the summary line (tallied where reports arrive: the only process, or xdist's controller) -------
 
 class _Tally:
-    """Counts what --update-goldens did, from the reports: each item notes its outcome in its
+    """Counts what --sharding-update did, from the reports: each item notes its outcome in its
     user_properties, which pytest-xdist carries from the workers to the controller."""
 
     def __init__(self) -> None:
@@ -270,7 +270,7 @@ class _Tally:
                 self.counts[kind] += count
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
-        if config.getoption("--update-goldens") and sum(self.counts.values()):
+        if config.getoption("--sharding-update") and sum(self.counts.values()):
             from sharding_dump.golden.engine import summary_line
 
             for kind in sorted(k for k in self.counts if k.startswith(REPLACED)):

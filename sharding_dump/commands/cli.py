@@ -112,8 +112,9 @@ def _warning_line(message: Warning | str, category: type[Warning], *args: object
 
 
 def version() -> str:
-    """`sharding-dump 0.1.0 (jax 0.10.2, jaxlib 0.10.2, flax 0.12.8, optax 0.2.8)`: the versions a
-    golden depends on, read from the installed distributions (nothing imported)."""
+    """`sharding-dump X.Y.Z (jax 0.10.2, jaxlib 0.10.2, flax 0.12.8, optax 0.2.8)`: this package's
+    version and those a golden depends on, read from the installed distributions' metadata (nothing
+    imported), the one source `sharding_dump.__version__` reads too."""
     from importlib import metadata
 
     def of(name: str) -> str:

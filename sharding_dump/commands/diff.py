@@ -142,7 +142,7 @@ def compare_case(label: str, old: Path | None, new: Path | None) -> CaseReport:
         if name in files_only:
             continue
         if name in old_docs and name in new_docs and old_docs[name] == new_docs[name]:
-            continue  # equal documents: nothing for deepdiff to find
+            continue  # equal documents: nothing to find
         empty = {"tensors": {}}
         found = diff.diff_documents(old_docs.get(name, empty), new_docs.get(name, empty))
         for key, value in found.header.items():

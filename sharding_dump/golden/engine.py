@@ -2,7 +2,7 @@
 
 :func:`check_or_update_folder` takes any documents (the user's own, from :func:`sharding_dump.dump_model`);
 :func:`check_or_update` is the zoo's case-by-case client. The pytest plugin calls them with
-update=False (or True under --update-goldens); the CLI with update=True. A golden folder is
+update=False (or True under --sharding-update); the CLI with update=True. A golden folder is
 rewritten as a whole (:func:`sharding_dump.golden.store.write_case_folder`), never through a symbolic
 link inside the golden tree. This module imports no jax until a case is rendered.
 """
@@ -21,7 +21,7 @@ from sharding_dump.core.format import GOLDEN_FILE_NAMES
 from sharding_dump.errors import BadInput, os_error
 from sharding_dump.golden import codec, diff, store
 
-UPDATE_HINT = "(or pytest --update-goldens)"
+UPDATE_HINT = "(or pytest --sharding-update)"
 SUMMARY_KINDS = ("updated", "created", "unchanged", "deleted")  # what an update run did to each golden
 
 
@@ -130,7 +130,7 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
         reports.append(diff.format_diff(name, changes) if changes else
                        f"{name}: same content, different bytes (not canonical JSON; rewrite it)")
     reports += [f"{name}: golden file that this case no longer produces" for name in stale]
-    reports += [f"{name}: not a golden file (remove it, or run pytest --update-goldens)" for name in _extras(folder)]
+    reports += [f"{name}: not a golden file (remove it, or run pytest --sharding-update)" for name in _extras(folder)]
     if not reports:
         return Outcome(label, folder, "match")
     text = (f"{label}: the dump differs from the golden in {display(folder)}\n" + "\n".join(reports) +

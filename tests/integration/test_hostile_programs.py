@@ -470,7 +470,7 @@ def test_under_pytest_a_bad_factory_fails_its_test_and_the_run_goes_on(mini_proj
     monkeypatch.syspath_prepend(str(REPO))
     for module in ("hostile_user",):
         monkeypatch.delitem(sys.modules, module, raising=False)
-    result = project.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider", "--update-goldens",
+    result = project.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider", "--sharding-update",
                                "--sharding-time-limit", "1")
     result.assert_outcomes(passed=2, failed=3)
     out = result.stdout.str()
@@ -483,13 +483,13 @@ def test_under_pytest_a_bad_factory_fails_its_test_and_the_run_goes_on(mini_proj
 
 def test_update_goldens_replaces_a_golden_too_large_or_a_folder(mini_project, monkeypatch):
     """A golden replaced by a file above the 64 MiB limit, another by a folder: a check refuses them
-    (one line), `--update-goldens` replaces both with the dump and names what it replaced."""
+    (one line), `--sharding-update` replaces both with the dump and names what it replaced."""
     cases = "cases:\n" + CASES.splitlines()[-1] + "\n"
     project = mini_project({"cases.yml": cases, "rules.yml": RULES, "hostile_user.py": textwrap.dedent(FACTORIES)})
     monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.delitem(sys.modules, "hostile_user", raising=False)
     run = lambda *args: project.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider", *args)  # noqa: E731
-    run("--update-goldens").assert_outcomes(passed=2)
+    run("--sharding-update").assert_outcomes(passed=2)
     folder = project.path / "golden" / TINY_CASE
     good = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
     os.truncate(folder / "named_shardings.json", 70 << 20)
@@ -499,7 +499,7 @@ def test_update_goldens_replaces_a_golden_too_large_or_a_folder(mini_project, mo
     refused = run()
     refused.assert_outcomes(passed=1, failed=1)
     assert "more than the limit of 67108864" in refused.stdout.str() or "Is a directory" in refused.stdout.str()
-    repaired = run("--update-goldens")
+    repaired = run("--sharding-update")
     repaired.assert_outcomes(passed=2)
     repaired.stdout.fnmatch_lines([
         f"sharding-dump: replaced golden/{TINY_CASE}/logical_shardings.json (a folder) by the dump",
