@@ -4,8 +4,8 @@ OLD and NEW are two case folders (say the same model under two rules) or two gol
 checkout of main and the working tree, paired by case folder). Every golden document is read and
 schema-checked, then compared with :func:`sharding_dump.golden.diff.diff_documents`; this module only
 gathers the findings per case and lays them out as text, GitHub markdown (ready to paste as a
-pull-request comment) or JSON. Optimizer slots that changed exactly like their parameter are folded
-under it, as in the pytest report.
+pull-request comment, with a mermaid chart of memory per device before and after) or JSON. Optimizer
+slots that changed exactly like their parameter are folded under it, as in the pytest report.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from sharding_dump.commands import options, tables
+from sharding_dump.commands import options, pictures, tables
 from sharding_dump.core import specs
 from sharding_dump.core.format import ACTIVATIONS_FILE, GOLDEN_FILE_NAMES, NAMED_FILE
 from sharding_dump.errors import BadInput
@@ -229,6 +229,10 @@ def _case_block(report: CaseReport, fmt: str, max_rows: int = MAX_ROWS) -> Itera
         yield f"{bullet or '  '}header {key}: {diff.compact(old)} -> {diff.compact(new)}"
     for name, side in sorted(report.files_only.items()):
         yield f"{bullet or '  '}{name} only in {side.upper()}"
+    chart = pictures.memory_chart(report.memory) if fmt == "markdown" else None
+    if chart:
+        yield ""
+        yield chart
     if report.rows:
         shown = report.rows[:max_rows]
         headers = ["tensor", "old spec", "new spec", "old bytes/device", "new bytes/device", "also changed"]

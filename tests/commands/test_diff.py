@@ -209,3 +209,33 @@ def test_markdown_fits_a_github_comment_and_keeps_the_summary(tmp_path, capsys):
     assert cut.count("<details") == cut.count("</details>")  # no fold left open
     assert main(["diff", "golden", "golden", "--format", "json", "--max-chars", "5000"]) == 2
     assert "--max-chars 5000: takes a number >= 1000, with --format text or markdown" in capsys.readouterr().err
+
+
+def test_markdown_of_a_rule_mutation_charts_memory_per_device(capsys, no_embed):
+    """The comment carries a mermaid bar chart GitHub renders: each part of the state before and after,
+    the figures those of the goldens' headers (3.1 -> 24.2 GiB of params, 6.3 -> 48.5 GiB of moments)."""
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    chart = out.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert chart.splitlines() == [
+        "xychart-beta", '    title "Memory per device, before and after"',
+        '    x-axis ["params before", "params after", "opt_state before", "opt_state after"]',
+        '    y-axis "GiB per device"', "    bar [3.14, 24.25, 6.28, 48.50]"]
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed)]) == 1
+    assert "mermaid" not in capsys.readouterr().out  # a terminal gets the figures only
+
+
+def test_many_charted_cases_fit_one_comment(tmp_path, capsys, no_embed):
+    """Forty cases of the rule mutation, each with its chart: the comment is cut within GitHub's
+    65,536 characters with every code fence and fold closed and the summary whole."""
+    labels = [f"m{i:02d}/v5p-16/slice_1/rule_pure-fsdp" for i in range(40)]
+    for label in labels:
+        shutil.copytree(REPO / "golden" / PURE_FSDP_CASE, tmp_path / "old" / label)
+        shutil.copytree(no_embed, tmp_path / "new" / label)
+    assert main(["diff", str(tmp_path / "old"), str(tmp_path / "new"), "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    assert len(out) <= 65_536 < len(out) * 2
+    assert out.count("```mermaid") > 1 and out.count("```") % 2 == 0
+    assert out.count("<details") == out.count("</details>")
+    assert out.split("\n\n<details")[0].count("\n| `m") == 40
+    assert "more cases not shown" in out.rstrip("\n").splitlines()[-1]
