@@ -1,0 +1,102 @@
+"""The docs site cannot go stale: every generated page and output block equals what `tools/docs.py`
+writes from the data and the code now, the Layout page is the import rule, and the README (the front
+page) starts with the two set-up commands and links each job into the site."""
+
+from __future__ import annotations
+
+import functools
+import re
+import tomllib
+
+import pytest
+
+from helpers import REPO
+from sharding_dump.zoo.cards import model_names
+from sharding_dump.zoo.rules import rule_names
+from sharding_dump.zoo.topology import topology_names
+
+README = REPO / "README.md"
+SET_UP = [
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" -c constraints.txt && .venv/bin/sharding-dump '
+    "--model llama2-7b --topology v5p-16 --rule pure-fsdp --golden-dir /tmp/sharding-dump-demo",
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" -c constraints.txt && .venv/bin/python -m pytest -n 2',
+]
+JOBS = ["Dump a case", "Golden tests in CI", "Your own model", "Your own training program", "The pull-request diff"]
+
+
+@functools.cache
+def generator() -> dict:
+    """tools/docs.py loaded in this process."""
+    import runpy
+
+    return runpy.run_path(str(REPO / "tools" / "docs.py"), run_name="docs_generator")
+
+
+def stale(pages: dict) -> list[str]:
+    return [path.relative_to(REPO).as_posix() for path, text in pages.items()
+            if not path.exists() or path.read_text() != text]
+
+
+def test_reference_pages_are_the_data():
+    """Cards, MaxText configs, settings, rule files, topologies, the Layout page and the front page."""
+    assert stale(generator()["reference_pages"]()) == [], "run python tools/docs.py and commit what it writes"
+
+
+def test_output_blocks_are_what_the_code_prints():
+    """The review page's report, diff comment, chart, check and show output, and the counts."""
+    assert stale(generator()["output_pages"]()) == [], "run python tools/docs.py and commit what it writes"
+
+
+def test_reference_pages_list_every_card_rule_and_topology():
+    text = {name: (REPO / "docs/reference" / name).read_text() for name in ("models.md", "rules.md", "topologies.md")}
+    assert all(f"| `{card}` |" in text["models.md"] for card in model_names())
+    assert text["models.md"].count("\n| `") == len(model_names()) == 57
+    assert all(f"\n## {rule}\n" in text["rules.md"] for rule in rule_names())
+    assert all(f"| `{name}` |" in text["topologies.md"] for name in topology_names())
+
+
+def test_layout_page_follows_the_import_rule(monkeypatch):
+    """An edge added to test_layers.py's rule changes the generated Layout page."""
+    layers = generator()["_test_layers"]()
+    page = generator()["layout_page"]()
+    assert "## core: `sharding_dump/core/`\n\nMay import: `base`, `core`.\n" in page
+    monkeypatch.setitem(layers.ALLOWED, "core", {"core", "base", "zoo"})
+    assert generator()["layout_page"]() != page
+
+
+def test_fill_replaces_a_stale_block_and_count():
+    fill = generator()["fill"]
+    page = "x <!-- count: n -->27<!-- /count --> y\n<!-- output: out -->\n```\nold\n```\n<!-- /output -->\n"
+    assert fill(page, {"out": "new"}, {"n": "50"}, "page") == (
+        "x <!-- count: n -->50<!-- /count --> y\n<!-- output: out -->\n```\nnew\n```\n<!-- /output -->\n")
+    nested = fill(page, {"out": "```mermaid\nx\n```"}, {"n": "50"}, "page")
+    assert "<!-- output: out -->\n````\n```mermaid\nx\n```\n````\n" in nested  # a fence inside gets a longer one
+
+
+def test_readme_starts_with_the_set_up_commands_true_in_a_clone():
+    text = README.read_text()
+    first = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert first.group(1).splitlines() == SET_UP
+    assert text.index("```") < text.index("\n## ")  # before any section
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert (REPO / "constraints.txt").is_file() and any(d.startswith("pytest-xdist") for d in extras["dev"])
+    assert "llama2-7b" in model_names() and "pure-fsdp" in rule_names() and "v5p-16" in topology_names()
+
+
+def test_readme_has_the_five_jobs_each_linking_into_the_site():
+    text = README.read_text()
+    sections = re.split(r"\n## ", text)[1:]
+    assert [s.split("\n", 1)[0] for s in sections] == JOBS
+    for section in sections:
+        assert re.search(r"\]\(docs/[\w/.-]+\.md", section), section.split("\n", 1)[0]
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    local = [link for link in links if not link.startswith("https://")]
+    assert local and all(link.startswith("docs/") for link in local), local  # the site builds them too
+    assert all((REPO / link.split("#")[0]).is_file() for link in local), local
+
+
+@pytest.mark.parametrize("page", ["docs/guide/review.md", "docs/maintainers/index.md"])
+def test_pages_with_outputs_hold_no_typed_count(page):
+    """The counts that went stale in the README are generated now: no hand-written "of 27 cases"."""
+    text = (REPO / page).read_text()
+    assert "27" not in re.sub(r"<!-- (count|output): [\w-]+ -->.*?<!-- /(count|output) -->", "", text, flags=re.S)
