@@ -333,6 +333,7 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         counts["diff-title"] = markdown.splitlines()[0].removeprefix("### ")
         findings = check.lint_case(case)
         blocks["embed-check"] = _cut_findings(check.render_findings(case, findings))
+        blocks["card-refusal"] = _card_refusal(work)
         act = Case.make(model, topology, str(_mutated(work, ACTIVATION_MUTATION).relative_to(work)))
         act_report = check_or_update(act, "golden", update=False).report
         blocks["activation-report"] = _cut(act_report[act_report.index("activation_shardings.json"):], 1)
@@ -343,6 +344,22 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
     blocks["show-tensor"] = show.render_tensor_grid(shown, tensor).rstrip("\n")
     blocks["show-tensor-command"] = "sharding-dump show " + " ".join(args) + f" --tensor {tensor}"
     return blocks, counts
+
+
+def _card_refusal(work: Path) -> str:
+    """What the CLI says of a card whose block would ignore a field: llama2-7b's card as `my.yml`,
+    named `my-llama`, with `num_experts: 8`."""
+    import io
+
+    from sharding_dump.commands import cli
+    card = (REPO / "sharding_dump/data/models/llama2-7b.yml").read_text().replace("name: llama2-7b", "name: my-llama")
+    (work / "my.yml").write_text(card + "num_experts: 8\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = cli.main(["--model", "my.yml", "--topology", "v5p-16", "--rule", "default", "--golden-dir", "out"])
+    if status != 2 or (work / "out").exists():
+        raise SystemExit(f"the card with num_experts was not refused (exit {status}): update tools/docs.py")
+    return err.getvalue().rstrip("\n")
 
 
 def _cut_markdown(text: str, rows: int) -> str:
