@@ -48,6 +48,8 @@ def test_long_splits_are_elided_and_extra_split_dimensions_named():
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| dim")]
     labels = [r.split("|")[1].strip() for r in rows if r.split("|")[1].strip()]
     assert labels == ["0:4", "4:8", "8:12", "12:16", "16:20", "20:24", "...", "124:128"]
+    second = out.split("| 4:8 ")[1].split("+")[0]  # block 1: the first axis of the entry is the major one
+    assert "data 0" in second and "expert 1 " in second and "data 1" not in second
     assert "| 124:128" in out and "data 1" in out.split("| 124:128")[1] and "expert 15" in out.split("| 124:128")[1]
 
 
