@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 import tomllib
 
 import pytest
@@ -100,3 +101,30 @@ def test_pages_with_outputs_hold_no_typed_count(page):
     """The counts that went stale in the README are generated now: no hand-written "of 27 cases"."""
     text = (REPO / page).read_text()
     assert "27" not in re.sub(r"<!-- (count|output): [\w-]+ -->.*?<!-- /(count|output) -->", "", text, flags=re.S)
+
+
+def readme_section(title: str) -> str:
+    return README.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_dump_commands_run(capsys):
+    """"Dump a case": its dump is a case of the matrix (so its golden is committed and checked), and
+    its `show --tensor` draws that tensor."""
+    from sharding_dump.commands import cli
+    from sharding_dump.zoo.case import Case, load_matrix
+
+    dump, show = (shlex.split(line) for line in re.search(r"```bash\n(.*?)```", readme_section("Dump a case"),
+                                                             re.S).group(1).splitlines())
+    options = dict(zip(dump[1::2], dump[2::2]))
+    assert Case.make(options["--model"], options["--topology"], options["--rule"]).label in {
+        c.label for c in load_matrix()}
+    assert show[:2] == ["sharding-dump", "show"] and cli.main(show[1:]) == 0
+    assert capsys.readouterr().out.startswith(f"{show[show.index('--tensor') + 1]}: float32[4096,32,11008]")
+
+
+def test_readme_project_table_is_the_guides():
+    """The README's `[tool.sharding-dump]` lines are the guide's, which test_adopt.py's flow reads alike."""
+    (table,) = re.findall(r"```toml\n(.*?)```", readme_section("Golden tests in CI"), re.S)
+    guide = re.findall(r"```toml\n(.*?)```", (REPO / "docs/guide/pytest-in-ci.md").read_text(), re.S)[0]
+    guide_lines = [line.split("#")[0].rstrip() for line in guide.splitlines()]
+    assert all(line in guide_lines for line in table.splitlines()), table
