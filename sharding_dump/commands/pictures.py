@@ -1,6 +1,7 @@
 """Pictures for a reviewer, drawn from a layout alone (no devices, no jax): a tensor's split over the
 mesh as a text grid (`sharding-dump show --tensor`), and memory per device before and after as a
-mermaid bar chart GitHub renders in a pull-request comment (`sharding-dump diff --format markdown`).
+mermaid bar chart GitHub renders in a pull-request comment (`sharding-dump diff --format markdown`)
+or an inline SVG for the HTML report (`--format html`).
 
 A block of a split dimension is named by the coordinates of the mesh axes that split it, the first
 axis of a spec entry the major one (as JAX lays blocks out); the devices that differ only on the other
@@ -128,14 +129,43 @@ def _unit(largest: int) -> tuple[str, int]:
     return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
 
 
-def memory_chart(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
-    """A mermaid `xychart-beta` bar chart of memory per device per part of the state (params,
-    opt_state, ...; not the total), a bar before and a bar after each; None when nothing moved or a
-    side has no byte counts. GitHub renders it in a comment; elsewhere it reads as a code block."""
+def _chart_groups(memory: Mapping[str, tuple[int | None, int | None]]) -> dict[str, tuple[int, int]] | None:
+    """The parts of the state to chart (not the total), in state order; None when nothing moved or a
+    side has no byte counts."""
     groups = sorted((g for g in memory if g != "total"),
                     key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g))
     values = {g: memory[g] for g in groups}
     if all(old == new for old, new in values.values()) or any(None in pair for pair in values.values()):
+        return None
+    return values  # type: ignore[return-value]
+
+
+def memory_svg(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
+    """The same figures as :func:`memory_chart`, as an inline SVG of horizontal bars (before grey,
+    after blue), each labelled with its size: for the HTML report, which needs no script to show it."""
+    values = _chart_groups(memory)
+    if values is None:
+        return None
+    largest = max(max(pair) for pair in values.values()) or 1
+    row, label, bar = 22, 150, 300
+    rows = [(f"{g} {side}", v, side) for g, pair in values.items() for side, v in zip(("before", "after"), pair)]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label + bar + 110}" height="{row * len(rows) + 4}" '
+           f'role="img" aria-label="memory per device, before and after">']
+    for i, (name, v, side) in enumerate(rows):
+        y, width = i * row + 2, round(bar * v / largest)
+        colour = "#9e9e9e" if side == "before" else "#1e88e5"
+        out += [f'<text x="0" y="{y + 15}" font-size="13">{name}</text>',
+                f'<rect x="{label}" y="{y + 3}" width="{width}" height="{row - 6}" fill="{colour}"/>',
+                f'<text x="{label + width + 6}" y="{y + 15}" font-size="13">{tables.format_bytes(v)}</text>']
+    return "".join(out) + "</svg>"
+
+
+def memory_chart(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
+    """A mermaid `xychart-beta` bar chart of memory per device per part of the state (params,
+    opt_state, ...; not the total), a bar before and a bar after each; None when nothing moved or a
+    side has no byte counts. GitHub renders it in a comment; elsewhere it reads as a code block."""
+    values = _chart_groups(memory)
+    if values is None:
         return None
     name, size = _unit(max(max(pair) for pair in values.values()))  # type: ignore[type-var]
     shown = {g: pair for g, pair in values.items() if max(pair) / size >= 0.005}  # type: ignore[type-var]

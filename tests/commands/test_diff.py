@@ -1,6 +1,7 @@
 """`sharding-dump diff`: two case folders or two golden trees, text / markdown / JSON, exit status."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -140,7 +141,7 @@ def test_documents_with_no_tensor_in_common_are_reported_per_tensor():
     (["diff", "/no/such/old", "golden"], "OLD /no/such/old: not a folder"),
     (["diff", "golden/llama2-7b/v5p-16/slice_1/rule_default", "golden"], "OLD is a case folder but NEW is not"),
     (["diff", "sharding_dump/rules", "sharding_dump/rules"], "no golden files under"),
-    (["diff", "golden", "golden", "--format", "html"], "invalid choice: 'html'"),
+    (["diff", "golden", "golden", "--format", "svg"], "invalid choice: 'svg'"),
     (["diff", "golden"], "the following arguments are required: NEW"),
 ])
 def test_bad_input(args, message, capsys, monkeypatch):
@@ -239,3 +240,31 @@ def test_many_charted_cases_fit_one_comment(tmp_path, capsys, no_embed):
     assert out.count("<details") == out.count("</details>")
     assert out.split("\n\n<details")[0].count("\n| `m") == 40
     assert "more cases not shown" in out.rstrip("\n").splitlines()[-1]
+
+
+def test_html_report_is_a_standalone_page_with_the_chart(tmp_path, capsys, no_embed):
+    """--format html: one page for a CI artifact, every row (never cut), the memory chart as inline SVG
+    with the bar after the change eight times the bar before, as the bytes are."""
+    from html.parser import HTMLParser
+
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "html"]) == 1
+    page = capsys.readouterr().out
+    opened = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag != "meta":
+                opened.append(tag)
+
+        def handle_endtag(self, tag):
+            assert opened.pop() == tag
+
+    Tags().feed(page)
+    assert opened == [] and page.startswith("<!DOCTYPE html>") and "<script" not in page
+    widths = dict(re.findall(r'<text x="0" y="\d+" font-size="13">(params \w+)</text><rect x="150" y="\d+" width="(\d+)"',
+                             page))
+    assert (int(widths["params before"]), int(widths["params after"])) == (19, 150)
+    assert page.count("params/decoder/layers/") == 7  # every changed parameter row: nothing folded away
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "html"]) == 1
+    assert capsys.readouterr().out == page  # deterministic
+    assert main(["diff", "golden", "golden", "--format", "html", "--max-chars", "5000"]) == 2
