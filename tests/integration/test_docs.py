@@ -140,3 +140,12 @@ def test_every_page_is_in_the_nav():
     nav = re.findall(r"^\s*- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M)
     pages = {p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md")}
     assert sorted(nav) == sorted(pages - NOT_YET_IN_NAV) and len(nav) == len(set(nav))
+
+
+@pytest.mark.parametrize("title, page", [("Your own model", "your-own-model.md"),
+                                         ("Your own training program", "your-own-program.md")])
+def test_readme_commands_are_the_guides(title, page):
+    """The README's command of a job is one the guide page gives (test_guide_examples.py runs those)."""
+    (command,) = re.findall(r"```bash\n(.*?)```", readme_section(title), re.S)
+    guide = re.findall(r"```bash\n(.*?)```", (REPO / "docs/guide" / page).read_text(), re.S)[0]
+    assert command.strip() in guide.splitlines()
