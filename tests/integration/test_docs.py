@@ -149,3 +149,21 @@ def test_readme_commands_are_the_guides(title, page):
     (command,) = re.findall(r"```bash\n(.*?)```", readme_section(title), re.S)
     guide = re.findall(r"```bash\n(.*?)```", (REPO / "docs/guide" / page).read_text(), re.S)[0]
     assert command.strip() in guide.splitlines()
+
+
+def test_ci_guide_snippets_are_the_adoption_tests():
+    """The rule file and case file of "Golden tests in CI" say what test_adopt.py's project runs (the
+    guide may show fewer rules, none it does not run)."""
+    import runpy
+
+    import yaml
+
+    adopt = runpy.run_path(str(REPO / "tests/integration/test_adopt.py"))
+    snippets = [yaml.safe_load(block) for block in
+                re.findall(r"```yaml\n(.*?)```", (REPO / "docs/guide/pytest-in-ci.md").read_text(), re.S)]
+    rule, cases = snippets[0], snippets[1]
+    tested = yaml.safe_load(adopt["TP_RULE"])
+    assert {k: v for k, v in rule.items() if k != "logical_axis_rules"} == {
+        k: v for k, v in tested.items() if k != "logical_axis_rules"}
+    assert all(pair in tested["logical_axis_rules"] for pair in rule["logical_axis_rules"])
+    assert all(case in yaml.safe_load(adopt["CASES"])["cases"] for case in cases["cases"])
