@@ -68,8 +68,8 @@ def _yaml(path: Path) -> object:
     return load_yaml(path, "docs data")
 
 
-def _comment_of(path: Path, skip_first: bool = False) -> str:
-    """The leading `#` comment block of a data file, as one paragraph."""
+def _comment_of(path: Path, skip_first: bool = False, first_paragraph: bool = False) -> str:
+    """The leading `#` comment block of a data file (or its first paragraph), as one paragraph."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
@@ -77,7 +77,16 @@ def _comment_of(path: Path, skip_first: bool = False) -> str:
         lines.append(line.lstrip("#").strip())
     if skip_first:
         lines = lines[1:]
+    if first_paragraph and "" in lines:
+        lines = lines[:lines.index("")]
     return " ".join(line for line in lines if line).strip()
+
+
+def _axes(value: object) -> str:
+    """A rule's mesh axes as the rule file writes them: `fsdp`, `[data, fsdp]`, `[]`."""
+    if value is None or value == []:
+        return "`[]` (whole)"
+    return f"`{value}`" if isinstance(value, str) else f"`[{', '.join(map(str, value))}]`"
 
 
 # --- reference pages -------------------------------------------------------------------------------
@@ -177,15 +186,14 @@ def rules_page() -> str:
         rule = load_rule(name)
         path = Path("sharding_dump/rules") / f"{name}.yml"
         data = _yaml(REPO / path)
-        parts.append(f"## {name}\n\n{_comment_of(REPO / path, skip_first=True)}\n")
+        parts.append(f"## {name}\n\n{_comment_of(REPO / path, skip_first=True, first_paragraph=True)}\n")
         facts = [f"- file: `{path.as_posix()}`", f"- mesh axes: {', '.join(f'`{a}`' for a in rule.mesh_axes)}",
                  f"- batch split over (`data_sharding`): {', '.join(f'`{a}`' for a in rule.data_sharding)}"]
         if data.get("input_data_sharding_logical_axes"):
             facts.append("- batch inside the step (`input_data_sharding_logical_axes`): "
                          + ", ".join(f"`{a}`" for a in data["input_data_sharding_logical_axes"]))
         parts.append("\n".join(facts) + "\n")
-        rows = [[f"`{logical}`", "`[]` (whole)" if axes in ([], None) else f"`{axes}`"]
-                for logical, axes in data.get("logical_axis_rules", [])]
+        rows = [[f"`{logical}`", _axes(axes)] for logical, axes in data.get("logical_axis_rules", [])]
         if rows:
             parts.append(table(["logical axis", "mesh axes"], rows) + "\n")
     return "\n".join(parts)
