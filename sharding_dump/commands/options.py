@@ -112,10 +112,12 @@ def add_golden_dir_option(parser: argparse.ArgumentParser, what: str, *aliases: 
                              "pyproject.toml, else golden/)")
 
 
-def add_format_option(parser: argparse.ArgumentParser) -> None:
-    """--format of a report: text for a terminal, markdown for a pull-request comment, json for tools."""
-    parser.add_argument("--format", choices=REPORT_FORMATS, default="text",
-                        help="text (terminal), markdown (pull-request comment) or json; default text")
+def add_format_option(parser: argparse.ArgumentParser, html: bool = False) -> None:
+    """--format of a report: text for a terminal, markdown for a pull-request comment, json for tools
+    (and, where the command writes one, html: a standalone page for a CI artifact)."""
+    parser.add_argument("--format", choices=REPORT_FORMATS + ("html",) * html, default="text",
+                        help="text (terminal), markdown (pull-request comment)" + (", json or html (a standalone "
+                             "page, e.g. a CI artifact)" if html else " or json") + "; default text")
 
 
 def project_of(args: argparse.Namespace) -> Project:

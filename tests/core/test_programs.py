@@ -360,3 +360,17 @@ def test_explicit_placement_follows_each_flavour_of_flax():
     assert gemma.placement(("tensor", "fsdp"), [("batch", "fsdp")]) == P("tensor", "fsdp")
     assert gemma.placement(("vocab", "embed"), [("vocab", "tensor"), ("embed", "fsdp")]) == P("tensor", "fsdp")
     assert linen.placement(("tensor", "fsdp"), [("batch", "fsdp")]) == P(None, None)
+
+
+def test_guide_shows_the_model_call_failure_as_printed(tmp_path, capsys, monkeypatch):
+    """docs/guide/your-own-program.md's error line is what the CLI prints for flax's Gemma called plainly."""
+    shown = next(line for line in (REPO / "docs/guide/your-own-program.md").read_text().splitlines()
+                 if line.startswith("sharding-dump: error: the model call failed"))
+    (tmp_path / "programs_gemma_plain.py").write_text(textwrap.dedent(PROGRAMS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO))
+    (tmp_path / "rules.yml").write_text("mesh_axes: [data]\nlogical_axis_rules:\n  - [batch, data]\n")
+    assert cli.main(["--model", "programs_gemma_plain:gemma_plain", "--topology", "cpu-2", "--rule", "rules.yml",
+                     "ici_data_parallelism=2", "per_device_batch_size=8", "max_target_length=64",
+                     "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == shown + "\n"
