@@ -324,10 +324,16 @@ class TrainProgram:
         return dict(self.batch)
 
     def abstract_state(self, key: jax.Array) -> Any:
-        """`init(key)` under `jax.eval_shape` (call it inside the case's mesh and rules)."""
+        """`init(key)` traced once, abstractly (call it inside the case's mesh and rules): each leaf
+        the program places itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint)
+        carries that sharding in its type, on an Auto mesh as on an Explicit one
+        (:mod:`sharding_dump.core.placement`)."""
+        from sharding_dump.core.placement import declared_specs, with_declared
+
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
-            return jax.eval_shape(self.init, key)
+            closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
+        return with_declared(shapes, declared_specs(closed), jax.sharding.get_abstract_mesh())
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""

@@ -24,6 +24,7 @@ from sharding_dump.core.gc_policy import fewer_collections
 from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
+from sharding_dump.core.placement import box_params_axes
 from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
 from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
@@ -136,10 +137,13 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
-        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
-    layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
-                                   setup.values["shard_optimizer_over_data"])
+    own = _own_init(setup)
+    if setup.config is not None:
+        traced = _abstract_state(setup.config, setup.optimizer, setup.pipeline)
+    else:  # a user's own init is traced once, on the case's Explicit mesh: the state the dump reads
+        traced = _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, own, setup.optimizer)
+    layouts = state.tensor_layouts(layout_view(setup, traced), setup.plan, setup.rule_set,
+                                   setup.values["shard_optimizer_over_data"], typed=own)
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
         spec = specs.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
@@ -193,13 +197,18 @@ def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...],
     return abstract_train_state(model.abstract_params(mesh, rules), tx)
 
 
+def _own_init(setup: CaseSetup) -> bool:
+    """The case's state comes from the user's own init (a TrainProgram)."""
+    return setup.config is None and isinstance(factory_program(setup.case.model), TrainProgram)
+
+
 def layout_view(setup: CaseSetup, train_state: Any) -> Any:
     """The state as layouts read it: NNX variables boxed like linen's, and for a TrainProgram (whose
     own init built its optimizer state over boxed parameters) every optimizer leaf re-derived from its
     parameter, as the harness derives its own."""
     view = boxed_view(train_state)
-    if setup.config is None and isinstance(factory_program(setup.case.model), TrainProgram):
-        view = state_with_slots(view)
+    if _own_init(setup):
+        view = state_with_slots(box_params_axes(view))
     return view
 
 
@@ -231,6 +240,8 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
                                                     setup.optimizer, setup.pipeline)
     boxed = layout_view(setup, abstract_state_of(setup))
+    if _own_init(setup):  # what the program placed itself, then the rules
+        return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data, typed=True)
     if setup.explicit:
         return setup, typed_layouts(boxed, setup.plan.sizes)
     return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)

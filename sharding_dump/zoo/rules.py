@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Container, Iterable, Mapping, Sequence
 
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
@@ -104,9 +104,6 @@ def load_rule(ref: str) -> RuleSet:
         sized_by[key] = axis
     rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data.get("logical_axis_rules", ()))
     path_rules = _partition_rules(path, data.get("partition_rules", []), mesh_axes)
-    if not rules and not path_rules:
-        raise BadInput(f"{where}: give logical_axis_rules (logical names to mesh axes), partition_rules (parameter "
-                       "path regexes to partition specs), or both")
     for index, (name, axes) in enumerate(rules):
         for axis in entry_axes(axes):
             if axis not in mesh_axes:
@@ -227,12 +224,13 @@ Leaf = tuple[str, Sequence[int], Sequence[Any]]
 PARAMS = "params/"
 
 
-def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[str]:
-    """Parameters of more than one element that carry no logical axis name and that no partition rule
-    matches: each is whole on every device, and nothing in the model or the rule file says so."""
+def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Container[str] = ()) -> list[str]:
+    """Parameters of more than one element that carry no logical axis name, that no partition rule
+    matches and that the program did not place itself (`placed`: their paths): each is whole on every
+    device, and nothing in the model or the rule file says so."""
     return [path for path, shape, logical in leaves
             if path.startswith(PARAMS) and math.prod(shape) > 1 and all(name is None for name in logical)
-            and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
+            and path not in placed and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
 
 
 def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[PathRule]:
@@ -285,7 +283,8 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
                         f"carries: {', '.join(unused)}")
     state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL_FILE]["tensors"].items()]
-    unplaced = unplaced_parameters(rule_set, state)
+    own = {path for path, entry in named["tensors"].items() if any(d is not None for d in entry["partition_spec"])}
+    unplaced = unplaced_parameters(rule_set, state, own)
     if unplaced and math.prod(sizes.values()) > 1:
         warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
                         f"match no partition rule of {rule_set.path}, so each is whole on every device: "

@@ -101,16 +101,17 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) 
 
 
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
-                   optimizer_over_data: bool = False) -> list[TensorLayout]:
-    """Auto mode: every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh
-    (the optimizer state also over `data` with `optimizer_over_data`)."""
+                   optimizer_over_data: bool = False, typed: bool = False) -> list[TensorLayout]:
+    """Every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh (the
+    optimizer state also over `data` with `optimizer_over_data`); with `typed`, a leaf the program
+    placed itself keeps the sharding in its type (a user's own init)."""
     sizes = plan.sizes
 
     def zero1(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
         return over_data(spec, shape, sizes) if is_optimizer_leaf(path) else spec
 
     try:
-        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
+        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None, typed)
     except PartitionRuleError as err:  # a rule file's partition rule that does not fit the model
         raise BadInput(str(err)) from None
 
