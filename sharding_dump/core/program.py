@@ -359,6 +359,34 @@ class TrainProgram:
 
 Program = ModelProgram | TrainProgram
 
+# --- Hugging Face Flax models -----------------------------------------------------------------------------
+
+HF_PRETRAINED = "FlaxPreTrainedModel"  # transformers' base class of every Flax model a user holds
+
+
+def hf_module(obj: Any) -> nn.Module | None:
+    """The linen module of a Hugging Face Flax model: a `FlaxPreTrainedModel`'s `.module`, or such a
+    module itself (a linen module defined in `transformers.models`); None for anything else. Read
+    from the object's class, so transformers is never imported here."""
+    if any(cls.__name__ == HF_PRETRAINED for cls in type(obj).__mro__) and isinstance(
+            getattr(obj, "module", None), nn.Module):
+        return obj.module
+    if isinstance(obj, nn.Module) and type(obj).__module__.startswith("transformers.models."):
+        return obj
+    return None
+
+
+def hf_program(module: nn.Module) -> ModelProgram:
+    """A Hugging Face Flax module called as HF's own Flax training scripts call it (run_clm_flax):
+    `input_ids`, an all-ones `attention_mask` (a batch of full sequences), `position_ids`, dropout
+    on (`deterministic=False`, the `dropout` stream); the logits are the output's `.logits`."""
+    return ModelProgram(module, positions="position_ids",
+                        inputs={"attention_mask": _all_ones}, kwargs={"deterministic": False})
+
+
+def _all_ones(batch: dict[str, Any]) -> jax.Array:
+    return jnp.ones_like(batch["inputs"])
+
 
 def as_program(obj: Any, name: str = "") -> Program:
     """A ModelProgram or TrainProgram as given, or a module / module factory as `ModelProgram(obj)`.
@@ -368,6 +396,8 @@ def as_program(obj: Any, name: str = "") -> Program:
 
     if isinstance(obj, (ModelProgram, TrainProgram)):
         return obj
+    if hf_module(obj) is not None:
+        return hf_program(hf_module(obj))
     if isinstance(obj, (nn.Module, nnx.Module)):
         return ModelProgram(obj)
     if not callable(obj):
@@ -395,10 +425,13 @@ def as_program(obj: Any, name: str = "") -> Program:
     built = other[0] if other else abstract
     if isinstance(built, (ModelProgram, TrainProgram)):
         return built
+    if hf_module(built) is not None:
+        return hf_program(hf_module(built))
     if isinstance(built, (nn.Module, nnx.Module)):
         return ModelProgram(built)
     raise ProgramError(f"the model factory {name or _name(obj)} returned {type(built).__name__}; the interface "
-                       "expects a Flax linen or NNX module, a ModelProgram or a TrainProgram")
+                       "expects a Flax linen or NNX module, a Hugging Face FlaxPreTrainedModel, a ModelProgram or a "
+                       "TrainProgram")
 
 
 def _nnx() -> Any:
