@@ -182,16 +182,16 @@ def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ..
 
 
 def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform | None = None,
-                   typed: bool = False) -> list[TensorLayout]:
+                   declared: Mapping[str, PartitionSpec] | None = None) -> list[TensorLayout]:
     """The layout of every leaf of `state` (a pytree of abstract arrays, boxed with logical axes).
 
     A parameter without logical axes is placed by the rules' path rules (:class:`PathRule`), if any,
     and the optimizer leaves derived from it (:class:`sharding_dump.core.optimizer.Slot`) follow it.
-    With `typed`, a leaf whose type carries a sharding that splits it (the program placed it itself:
-    :mod:`sharding_dump.core.placement`) keeps that sharding before anything else, and its slots
-    follow it. Each layout names its source."""
+    `declared` ({leaf path: spec}) holds what the program placed itself
+    (:mod:`sharding_dump.core.placement`): those leaves keep that spec before anything else, and
+    their slots follow it. Each layout names its source."""
     from sharding_dump.core.optimizer import Slot
-    from sharding_dump.core.placement import source_of, typed_spec
+    from sharding_dump.core.placement import source_of
 
     path_rules = path_rules_of(rules)
     boxed = sorted(((path_text(k), leaf) for k, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box)),
@@ -199,10 +199,10 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     prefix = "params/" if isinstance(state, Mapping) and "params" in state else ""
     placed: dict[str, tuple[LogicalAxes, tuple | None, str]] = {}  # parameter key -> (logical, mesh spec, source)
 
-    def own(leaf: Any) -> tuple[LogicalAxes, tuple | None, str]:
+    def own(path: str, leaf: Any) -> tuple[LogicalAxes, tuple | None, str]:
         array = leaf.value if is_box(leaf) else leaf
         logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
-        spec = typed_spec(array) if typed else None
+        spec = (declared or {}).get(path)
         if spec is not None:
             return logical, tuple(spec) + (None,) * (len(array.shape) - len(spec)), "type"
         return logical, None, source_of(leaf) if any(n is not None for n in logical) else "none"
@@ -210,7 +210,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     for path, leaf in boxed:
         if isinstance(leaf, Slot) or not path.startswith(prefix):
             continue
-        logical, spec, source = own(leaf)
+        logical, spec, source = own(path, leaf)
         if source == "none" and path_rules:
             array = leaf.value if is_box(leaf) else leaf
             logical, spec = place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
@@ -221,7 +221,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     for path, leaf in boxed:
         array = leaf.value if is_box(leaf) else leaf
         if isinstance(leaf, Slot):
-            logical, spec, source = own(leaf)
+            logical, spec, source = own(path, leaf)
             param_logical, param_spec, param_source = placed.get(leaf.parameter, (None, None, "none"))
             if source != "none":
                 source = param_source if source == "box" else source
@@ -234,7 +234,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         elif path.startswith(prefix):
             logical, spec, source = placed[path[len(prefix):]]
         else:
-            logical, spec, source = own(leaf)
+            logical, spec, source = own(path, leaf)
         out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec, source))
     return out
 

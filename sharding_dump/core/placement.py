@@ -22,7 +22,7 @@ Each leaf's layout names its source (:data:`SOURCES`): `type`, `box`, `params_ax
 ...     shard = NamedSharding(jax.sharding.get_abstract_mesh(), P("x"))
 ...     return jax.jit(lambda: {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}, out_shardings={"w": shard, "b": None})()
 >>> with jax.sharding.use_abstract_mesh(mesh):
-...     [spec and tuple(spec) for spec in declared_specs(jax.make_jaxpr(init)())]
+...     [spec if spec is None else tuple(spec) for spec in declared_specs(jax.make_jaxpr(init)())]
 [None, ('x',)]
 """
 
@@ -52,6 +52,11 @@ def _named(sharding: Any) -> PartitionSpec | None:
     return _sharded(sharding.spec) if isinstance(sharding, NamedSharding) else None
 
 
+def _given(sharding: Any) -> PartitionSpec | None:
+    """The spec of a sharding a program gave explicitly (replicated included: it said so)."""
+    return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
 def _producer_spec(jaxpr: Any, var: Any) -> PartitionSpec | None:
     """The spec the equation producing `var` declares (following it into a jit's body), if any."""
     found = next(((eqn, i) for eqn in reversed(jaxpr.eqns) for i, out in enumerate(eqn.outvars) if out is var), None)
@@ -61,45 +66,54 @@ def _producer_spec(jaxpr: Any, var: Any) -> PartitionSpec | None:
     name, params = eqn.primitive.name, eqn.params
     if name in _JIT:
         inner = params["jaxpr"].jaxpr
-        return _named(params["out_shardings"][index]) or _producer_spec(inner, inner.outvars[index])
+        declared = _given(params["out_shardings"][index])
+        return declared if declared is not None else _producer_spec(inner, inner.outvars[index])
     if name == "sharding_constraint":
-        return _named(params["sharding"])
+        return _given(params["sharding"])
     if name == "reshard":
-        return _named(params["dst_sharding"])
+        return _given(params["dst_sharding"])
     if name == "device_put":
-        return _named(params["devices"][index])
+        return _given(params["devices"][index])
     return None
 
 
 def declared_specs(closed: Any) -> list[PartitionSpec | None]:
-    """Per output of a traced init (a ClosedJaxpr), the spec the program gives it: the sharding in its
-    type (Explicit mesh), else what the equation producing it declares (a jit's `out_shardings`, a
-    constraint, a `reshard` or `device_put`), else None."""
+    """Per output of a traced init (a ClosedJaxpr), the spec the program gives it: what the equation
+    producing it declares (a jit's `out_shardings`, a constraint, a `reshard` or `device_put`,
+    replicated included), else the sharding in its type when that splits it (Explicit mesh), else
+    None."""
     out = []
     for var in closed.jaxpr.outvars:
-        typed = _named(getattr(getattr(var, "aval", None), "sharding", None))
-        out.append(typed or (None if isinstance(var, jax.extend.core.Literal) else
-                             _producer_spec(closed.jaxpr, var)))
+        if isinstance(var, jax.extend.core.Literal):
+            out.append(None)
+            continue
+        declared = _producer_spec(closed.jaxpr, var)
+        out.append(declared if declared is not None else _named(getattr(var.aval, "sharding", None)))
     return out
 
 
-def with_declared(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) -> Any:
+def placed_outputs(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) -> tuple[Any, dict[str, PartitionSpec]]:
     """The abstract outputs of init (a pytree of ShapeDtypeStructs) with each declared spec in its
-    leaf's type, as a trainer's state holds it after its jitted init."""
-    leaves, tree = jax.tree.flatten(shapes)
+    leaf's type, as a trainer's state holds it after its jitted init, and {leaf path: declared spec}."""
+    from sharding_dump.core.layout import path_text
 
-    def typed(leaf: Any, spec: PartitionSpec | None) -> Any:
+    flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
+    declared = {path_text(key_path): spec for (key_path, _), spec in zip(flat, specs) if spec is not None}
+    return placed(shapes, declared, mesh), declared
+
+
+def placed(state: Any, specs: Mapping[str, PartitionSpec], mesh: Any) -> Any:
+    """`state` (abstract, boxed or not) with every leaf named in `specs` ({path: spec}) carrying that
+    sharding in its type on `mesh`."""
+    from sharding_dump.core.layout import path_text
+
+    def typed(key_path: Any, leaf: Any) -> Any:
+        spec = specs.get(path_text(key_path))
         if spec is None or not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec),
-                                    weak_type=leaf.weak_type)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec), weak_type=leaf.weak_type)
 
-    return jax.tree.unflatten(tree, [typed(leaf, spec) for leaf, spec in zip(leaves, specs)])
-
-
-def typed_spec(array: Any) -> PartitionSpec | None:
-    """The spec in an abstract array's type when it splits anything."""
-    return _named(getattr(array, "sharding", None))
+    return jax.tree_util.tree_map_with_path(typed, state, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def box_params_axes(variables: Any) -> Any:

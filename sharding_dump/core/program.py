@@ -324,16 +324,21 @@ class TrainProgram:
         return dict(self.batch)
 
     def abstract_state(self, key: jax.Array) -> Any:
-        """`init(key)` traced once, abstractly (call it inside the case's mesh and rules): each leaf
-        the program places itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint)
-        carries that sharding in its type, on an Auto mesh as on an Explicit one
-        (:mod:`sharding_dump.core.placement`)."""
-        from sharding_dump.core.placement import declared_specs, with_declared
+        """`init(key)` traced once, abstractly (call it inside the case's mesh and rules): see
+        :meth:`placed_state`."""
+        return self.placed_state(key)[0]
+
+    def placed_state(self, key: jax.Array) -> tuple[Any, dict[str, PartitionSpec]]:
+        """`init(key)` traced once, abstractly, and {leaf path: spec} of every leaf the program placed
+        itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint, or the sharding in its
+        type on an Explicit mesh), each such leaf carrying that sharding in its type, on an Auto mesh
+        as on an Explicit one (:mod:`sharding_dump.core.placement`)."""
+        from sharding_dump.core.placement import declared_specs, placed_outputs
 
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
-        return with_declared(shapes, declared_specs(closed), jax.sharding.get_abstract_mesh())
+        return placed_outputs(shapes, declared_specs(closed), jax.sharding.get_abstract_mesh())
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""

@@ -254,11 +254,12 @@ def _examples(paths: Sequence[str], limit: int = 3) -> str:
 
 
 def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = (),
-                 batch_fields: Iterable[str] | None = None) -> list[str]:
+                 batch_fields: Iterable[str] | None = None, placed: Container[str] = ()) -> list[str]:
     """Why a dump that worked may still not be what was meant, from its golden documents: rules that
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
-    A rule file written for other logical names dumps everything replicated without an error."""
+    A rule file written for other logical names dumps everything replicated without an error.
+    `placed`: the paths of leaves the program placed itself (never "placed by nothing")."""
     named = docs[NAMED_FILE]
     sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
@@ -283,8 +284,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
                         f"carries: {', '.join(unused)}")
     state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL_FILE]["tensors"].items()]
-    own = {path for path, entry in named["tensors"].items() if any(d is not None for d in entry["partition_spec"])}
-    unplaced = unplaced_parameters(rule_set, state, own)
+    unplaced = unplaced_parameters(rule_set, state, placed)
     if unplaced and math.prod(sizes.values()) > 1:
         warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
                         f"match no partition rule of {rule_set.path}, so each is whole on every device: "
