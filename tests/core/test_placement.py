@@ -23,8 +23,10 @@ from jax.sharding import PartitionSpec as P
 import sharding_dump as sd
 from helpers import REPO
 from sharding_dump.commands import cli
+from sharding_dump.core import documents
 from sharding_dump.core.layout import resolve
 from sharding_dump.core.placement import declared_specs
+from sharding_dump.golden import codec
 from sharding_dump.golden.engine import check_or_update_folder
 from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case
@@ -67,15 +69,22 @@ def layouts_of(spec: tuple) -> dict[str, sd.TensorLayout]:
     return {t.path: t for t in dump.case_layouts(make_case(spec))[1]}
 
 
+def state_goldens(case: Case) -> dict[str, bytes]:
+    """The case's state golden files (named and logical shardings), as the dump writes them; the
+    step's activations are another engineer's document and cost a trace of the step."""
+    setup, layouts = dump.case_layouts(case)
+    return codec.render(documents.golden_documents(layouts, setup.plan.abstract_mesh(), header=dump.header(setup)))
+
+
 def golden_after(tmp_path, spec: tuple, edit) -> str:
-    """The golden of `spec` written, the program edited by `edit()`, then checked: its report."""
+    """The state goldens of `spec` written, the program edited by `edit()`, then checked: the report."""
     case = make_case(spec)
     folder = tmp_path / "golden"
-    assert check_or_update_folder(folder, dump.render_case(case), update=True).status == "written"
-    assert check_or_update_folder(folder, dump.render_case(case), update=False).status == "match"
+    assert check_or_update_folder(folder, state_goldens(case), update=True).status == "written"
+    assert check_or_update_folder(folder, state_goldens(case), update=False).status == "match"
     edit()
     forget_programs()
-    outcome = check_or_update_folder(folder, dump.render_case(case), update=False)
+    outcome = check_or_update_folder(folder, state_goldens(case), update=False)
     assert outcome.status == "differs"
     return outcome.report
 
@@ -280,21 +289,23 @@ HF = ("examples.hf_llama:small_llama", "cpu-8", "examples/hf_llama_rules.yml",
       {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2, **SMALL})
 
 
-@pytest.mark.parametrize("factory", ["small_llama", "small_llama_module"])
-def test_hf_flax_llama_as_users_hold_it(fresh, factory):
-    """A FlaxPreTrainedModel (or its .module) dumps, called with input_ids, attention_mask,
-    position_ids and dropout on, every weight placed by the rule file's regexes."""
+def test_hf_flax_llama_as_users_hold_it(fresh):
+    """A FlaxPreTrainedModel dumps, called with input_ids, attention_mask, position_ids and dropout on,
+    every weight placed by the rule file's regexes; its `.module` is the same program."""
     pytest.importorskip("transformers", minversion="4.57")
+    from examples import hf_llama
     from sharding_dump.core.capture import equations
+    from sharding_dump.core.program import as_program
 
-    spec = (f"examples.hf_llama:{factory}",) + HF[1:]
-    layouts = layouts_of(spec)
+    layouts = layouts_of(HF)
     params = [t for t in layouts.values() if t.group == "params"]
     assert len(params) == 21
     assert all(t.source == "regex" for t in params)
     assert layouts["params/model/layers/0/mlp/up_proj/kernel"].partition_spec == P("fsdp", "tensor")
-    program = dump.factory_program(spec[0])
+    program = dump.factory_program(HF[0])
     assert program.kwargs == {"deterministic": False} and program.positions == "position_ids"
-    setup = dump.setup_case(make_case(spec))
-    closed, _ = dump.trace_case(setup)
+    assert set(program.inputs) == {"attention_mask"}
+    closed, _ = dump.trace_case(dump.setup_case(make_case(HF)))
     assert any(eqn.primitive.name == "random_bits" for eqn, _ in equations(closed))  # dropout on
+    module = as_program(hf_llama.small_llama_module)
+    assert type(module.model) is type(program.model) and module.kwargs == program.kwargs
