@@ -11,16 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-          "attention_dropout": 0.1}
-
 
 def small_llama() -> Any:
     """The FlaxPreTrainedModel (`_do_init=False`: the harness initialises it abstractly)."""
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-    return FlaxLlamaForCausalLM(LlamaConfig(**CONFIG), _do_init=False)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attention_dropout=0.1)
+    return FlaxLlamaForCausalLM(config, _do_init=False)
 
 
 def small_llama_module() -> Any:
