@@ -1,7 +1,8 @@
 """`sharding-dump show`: one case as a table for the terminal, without writing anything.
 
 Every leaf of the training state (parameters first) with its shape, logical axes, partition spec and
-what one device holds of it, then the per-device totals against the device's HBM. Specs leave out
+what one device holds of it (for a user's model, also where its spec came from: `type`, `box`,
+`params_axes`, `regex` or `none`), then the per-device totals against the device's HBM. Specs leave out
 mesh axes of size 1 (they split nothing) unless asked for the spec exactly as the golden holds it.
 `--tensor PATH` draws one leaf's split over the mesh instead (:func:`pictures.split_grid`).
 
@@ -30,17 +31,19 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
     """The table and totals of `case`."""
     setup, layouts = case_layouts(case)
     sizes = setup.plan.sizes
+    sources = setup.config is None  # a user's model: say where each spec came from (type, box, params_axes...)
     rows: list[list[Any]] = []
     for t in sorted(layouts, key=lambda t: (GROUP_ORDER.get(t.group, 2), t.path)):
         spec = specs.spec_to_json(t.partition_spec, len(t.shape))
         rows.append([t.path, diff.compact(list(t.shape)), diff.compact(list(t.logical_axes)),
                      diff.compact(spec if full_specs else specs.spec_to_json(spec, len(spec), sizes)),
-                     diff.compact(list(t.per_device_shape)), tables.format_bytes(t.per_device_bytes)])
+                     diff.compact(list(t.per_device_shape)), tables.format_bytes(t.per_device_bytes)]
+                    + [t.source] * sources)
     mesh = " x ".join(f"{name}={size}" for name, size in sizes.items() if size > 1) or "a single device"
     note = "" if full_specs else "; specs leave out mesh axes of size 1 (--full-specs shows them)"
     lines = [f"{case.label}: mesh {mesh} ({setup.plan.num_devices} devices){note}", "",
-             tables.render(["tensor", "shape", "logical axes", "spec", "per-device shape", "bytes/device"],
-                           rows, "text", right=(5,)), ""]
+             tables.render(["tensor", "shape", "logical axes", "spec", "per-device shape", "bytes/device"]
+                           + ["placed by"] * sources, rows, "text", right=(5,)), ""]
     totals = per_device_totals(layouts)
     groups = sorted((g for g in totals if g != "total"), key=lambda g: (GROUP_ORDER.get(g, 2), g))
     parts = ", ".join(f"{group} {tables.format_bytes(totals[group])}" for group in groups)

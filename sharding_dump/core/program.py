@@ -401,16 +401,24 @@ class TrainProgram:
         return dict(self.batch)
 
     def abstract_state(self, key: jax.Array) -> Any:
-        """`init(key)` under `jax.eval_shape` (call it inside the case's mesh and rules)."""
+        """`init(key)` traced once, abstractly (call it inside the case's mesh and rules): see
+        :meth:`placed_state`."""
+        return self.placed_state(key)[0]
+
+    def placed_state(self, key: jax.Array) -> tuple[Any, dict[str, PartitionSpec]]:
+        """`init(key)` traced once, abstractly, and {leaf path: spec} of every leaf the program placed
+        itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint, or the sharding in its
+        type on an Explicit mesh), each such leaf carrying that sharding in its type, on an Auto mesh
+        as on an Explicit one (:mod:`sharding_dump.core.placement`)."""
+        from sharding_dump.core.placement import declared_specs, placed_outputs
+
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
-            state = jax.eval_shape(self.init, key)
-        paths = [path_text(k) for k, _ in jax.tree_util.tree_leaves_with_path(state)]
-        if not any(path == "params" or path.startswith("params/") for path in paths):
-            raise ProgramError(f"the program's init {_name(self.init)} returned {describe(state)}, a state with no "
-                               "parameters; the interface expects the training state with its parameters under "
-                               "`params` (a field or key, as flax's TrainState holds them) and the optimizer state")
-        return state
+            closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
+        if not jax.tree.leaves(shapes):
+            raise ProgramError(f"the program's init {_name(self.init)} returned {describe(shapes)}, a state with no "
+                               "arrays; the interface expects the training state: its parameters and optimizer state")
+        return placed_outputs(shapes, declared_specs(closed), jax.sharding.get_abstract_mesh())
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""
@@ -432,6 +440,34 @@ class TrainProgram:
 
 
 Program = ModelProgram | TrainProgram
+
+# --- Hugging Face Flax models -----------------------------------------------------------------------------
+
+HF_PRETRAINED = "FlaxPreTrainedModel"  # transformers' base class of every Flax model a user holds
+
+
+def hf_module(obj: Any) -> nn.Module | None:
+    """The linen module of a Hugging Face Flax model: a `FlaxPreTrainedModel`'s `.module`, or such a
+    module itself (a linen module defined in `transformers.models`); None for anything else. Read
+    from the object's class, so transformers is never imported here."""
+    if any(cls.__name__ == HF_PRETRAINED for cls in type(obj).__mro__) and isinstance(
+            getattr(obj, "module", None), nn.Module):
+        return obj.module
+    if isinstance(obj, nn.Module) and type(obj).__module__.startswith("transformers.models."):
+        return obj
+    return None
+
+
+def hf_program(module: nn.Module) -> ModelProgram:
+    """A Hugging Face Flax module called as HF's own Flax training scripts call it (run_clm_flax):
+    `input_ids`, an all-ones `attention_mask` (a batch of full sequences), `position_ids`, dropout
+    on (`deterministic=False`, the `dropout` stream); the logits are the output's `.logits`."""
+    return ModelProgram(module, positions="position_ids",
+                        inputs={"attention_mask": _all_ones}, kwargs={"deterministic": False})
+
+
+def _all_ones(batch: dict[str, Any]) -> jax.Array:
+    return jnp.ones_like(batch["inputs"])
 
 
 def check_step_output(name: str, state: Any, new_state: Any, metrics: Any) -> None:
@@ -467,6 +503,8 @@ def as_program(obj: Any, name: str = "") -> Program:
 
     if isinstance(obj, (ModelProgram, TrainProgram)):
         return obj
+    if hf_module(obj) is not None:
+        return hf_program(hf_module(obj))
     if isinstance(obj, (nn.Module, nnx.Module)):
         return ModelProgram(obj)
     if not callable(obj):
@@ -494,10 +532,13 @@ def as_program(obj: Any, name: str = "") -> Program:
     built = other[0] if other else abstract
     if isinstance(built, (ModelProgram, TrainProgram)):
         return built
+    if hf_module(built) is not None:
+        return hf_program(hf_module(built))
     if isinstance(built, (nn.Module, nnx.Module)):
         return ModelProgram(built)
     raise ProgramError(f"the model factory {name or _name(obj)} returned {type(built).__name__}; the interface "
-                       "expects a Flax linen or NNX module, a ModelProgram or a TrainProgram")
+                       "expects a Flax linen or NNX module, a Hugging Face FlaxPreTrainedModel, a ModelProgram or a "
+                       "TrainProgram")
 
 
 def _nnx() -> Any:

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Container, Iterable, Mapping, Sequence
 
 from sharding_dump.core.boundary import bounded_regexes, bounded_search
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
@@ -106,9 +106,6 @@ def load_rule(ref: str) -> RuleSet:
     rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data.get("logical_axis_rules", ()))
     path_rules = _partition_rules(path, data.get("partition_rules", []), mesh_axes,
                                   {name for name, _ in data.get("logical_axis_rules", ())})
-    if not rules and not path_rules:
-        raise BadInput(f"{where}: give logical_axis_rules (logical names to mesh axes), partition_rules (parameter "
-                       "path regexes to partition specs), or both")
     for index, (name, axes) in enumerate(rules):
         for axis in entry_axes(axes):
             if axis not in mesh_axes:
@@ -242,12 +239,13 @@ Leaf = tuple[str, Sequence[int], Sequence[Any]]
 PARAMS = "params/"
 
 
-def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[str]:
-    """Parameters of more than one element that carry no logical axis name and that no partition rule
-    matches: each is whole on every device, and nothing in the model or the rule file says so."""
+def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Container[str] = ()) -> list[str]:
+    """Parameters of more than one element that carry no logical axis name, that no partition rule
+    matches and that the program did not place itself (`placed`: their paths): each is whole on every
+    device, and nothing in the model or the rule file says so."""
     return [path for path, shape, logical in leaves
             if path.startswith(PARAMS) and math.prod(shape) > 1 and all(name is None for name in logical)
-            and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
+            and path not in placed and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
 
 
 def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[PathRule]:
@@ -288,11 +286,12 @@ def _examples(paths: Sequence[str], limit: int = 3) -> str:
 
 
 def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = (),
-                 batch_fields: Iterable[str] | None = None) -> list[str]:
+                 batch_fields: Iterable[str] | None = None, placed: Container[str] = ()) -> list[str]:
     """Why a dump that worked may still not be what was meant, from its golden documents: rules that
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
-    A rule file written for other logical names dumps everything replicated without an error."""
+    A rule file written for other logical names dumps everything replicated without an error.
+    `placed`: the paths of leaves the program placed itself (never "placed by nothing")."""
     named = docs[NAMED_FILE]
     sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
@@ -317,7 +316,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
                         f"carries: {', '.join(unused)}")
     state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL_FILE]["tensors"].items()]
-    unplaced = unplaced_parameters(rule_set, state)
+    unplaced = unplaced_parameters(rule_set, state, placed)
     if unplaced and math.prod(sizes.values()) > 1:
         warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
                         f"match no partition rule of {rule_set.path}, so each is whole on every device: "
