@@ -109,14 +109,15 @@ def path_text(key_path: Sequence[Any]) -> str:
 
 
 def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
-    """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
-    no logical axes: all None)."""
+    """(path, abstract array, logical axes) for every leaf, in path order (an unboxed leaf has no
+    logical axes: `()`, which MaxText's logical dump writes `[]`, where a box of unnamed dimensions
+    writes one null per dimension)."""
     out = []
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
         if is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
-            array, logical = leaf, (None,) * len(leaf.shape)
+            array, logical = leaf, ()
         out.append((path_text(key_path), array, logical))
     return sorted(out, key=lambda item: item[0])
 
@@ -167,7 +168,7 @@ def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ..
     """(logical axes, mesh spec or None) of a parameter without logical axes, by the first path rule."""
     index = match_path_rule(path_rules, key) if shape else None
     if index is None:
-        return (None,) * len(shape), None
+        return (), None
     rule = path_rules[index]
     if len(rule.entries) > len(shape):
         raise PartitionRuleError(f"partition rule {rule.where or repr(rule.pattern)} ({rule.pattern!r}): "
@@ -195,7 +196,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         if isinstance(leaf, Slot) or not path.startswith(prefix):
             continue
         array = leaf.value if is_box(leaf) else leaf
-        logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
+        logical = tuple(leaf.names) if is_box(leaf) else ()
         spec = None
         if path_rules and all(name is None for name in logical):
             logical, spec = place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
@@ -207,14 +208,14 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
             param_logical, param_spec = placed.get(leaf.parameter, (None, None))
             logical = tuple(leaf.names)
             spec = None
-            if param_logical is not None and all(n is None for n in logical):  # placed by a path rule
+            if param_logical and all(n is None for n in logical):  # placed by a path rule
                 logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims)
                 if param_spec is not None:
                     spec = tuple(param_spec[d] if d is not None else None for d in leaf.dims)
         elif path.startswith(prefix):
             logical, spec = placed[path[len(prefix):]]
         else:
-            logical, spec = (tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)), None
+            logical, spec = (tuple(leaf.names) if is_box(leaf) else ()), None
         out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec))
     return out
 
