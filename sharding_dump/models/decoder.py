@@ -18,7 +18,7 @@ import jax
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import BLE, Embed, output_logits
+from sharding_dump.models.layers import BLE, Embed, RMSNorm, output_logits
 from sharding_dump.models.pipeline import PipelineConfig, apply_layer_stack, stage_as_data
 
 
@@ -75,9 +75,13 @@ class Decoder(nn.Module):
     stacks: tuple[Stack, ...]
     pipeline: PipelineConfig | None = None
     shared_embedding: Embed | None = None
+    norm: type[nn.Module] = RMSNorm  # the final norm's module, built with cfg
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        if self.cfg.trainable_position_size > 0:  # learned absolute positions (MaxText's GPT-3)
+            table = Embed(self.cfg, self.cfg.trainable_position_size, name="position_embedder")
+            x = x + table(positions)
         for stack in self.stacks:
             if not stack.scanned:
                 x, _ = stack.layer(self.cfg, name=stack.name, **dict(stack.options))(x, positions)
@@ -89,7 +93,7 @@ class Decoder(nn.Module):
                 with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
                     x = apply_layer_stack(self.cfg, None, stack.layer, stack.length, x, positions, name=stack.name,
                                           axis=stack.axis)
-        return output_logits(self.cfg, x, self.shared_embedding)
+        return output_logits(self.cfg, x, self.shared_embedding, self.norm)
 
 
 class DecoderLM(nn.Module):
@@ -108,6 +112,7 @@ class DecoderLM(nn.Module):
     card_fields: ClassVar[tuple[str, ...]] = ()
     required_fields: ClassVar[tuple[str, ...]] = ()
     equal_fields: ClassVar[tuple[tuple[str, str], ...]] = ()
+    final_norm: ClassVar[type[nn.Module]] = RMSNorm
 
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
@@ -131,7 +136,7 @@ class DecoderLM(nn.Module):
         self.token_embedder = Embed(self.cfg)
         shared = self.token_embedder if self.cfg.logits_via_embedding else None
         stacks = self.stacks(self.cfg) if self.pipeline is None else self.pipeline_stacks(self.cfg)
-        self.decoder = Decoder(self.cfg, stacks, self.pipeline, shared)
+        self.decoder = Decoder(self.cfg, stacks, self.pipeline, shared, self.final_norm)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
