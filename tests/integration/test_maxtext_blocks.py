@@ -8,6 +8,8 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
@@ -125,3 +127,14 @@ def test_every_block_with_a_card_is_checked_against_maxtext():
     shipped = {cards.load_config(name).decoder_block for name in cards.model_names()}
     assert shipped - checked == set(NOT_YET_EQUAL), sorted(shipped - checked)
     assert len(checked) >= 10, sorted(checked)
+
+
+def test_qwen3_next_attention_output_has_maxtexts_three_names():
+    """MaxText's own activation dump of qwen3-next-80b-a3b (tpu7x-8, default rules; models/qwen3.py
+    gives its attention `out_axis_names` of three names) records the full attention's output as
+    `attentions/out: bfloat16[96,2048,16,256] ('activation_batch', 'activation_length', 'activation_embed')`."""
+    case = next(c for c in matrix_folders() if c.parts[-4] == "qwen3-next-80b-a3b")
+    tensors = json.loads((case / "activation_shardings.json").read_text())["tensors"]
+    outs = [entry for key, entry in tensors.items() if key.endswith("/attention/attention/attention_out")]
+    assert outs and all(entry["logical_axes"] == ["activation_batch", "activation_length", "activation_embed"]
+                        for entry in outs), outs
