@@ -10,7 +10,8 @@ The reference writes one entry per leaf keyed by a pytree path (`.params/['param
 `.opt_state/[0]/.mu/['params']/...`) with the mesh repeated in every entry; we key by
 `params/decoder/...`, `opt_state/0/mu/decoder/...`. Paths are translated, leaves are matched by
 path, and every leaf whose (shape, partition_spec) differs, or that exists on one side only, is
-printed. As a check that does not depend on names at all, the multisets of (shape,
+printed (logical axes as written: `[]`, a leaf with none, is not one null per dimension). As a
+check that does not depend on names at all, the multisets of (shape,
 partition_spec) over all leaves must also cancel exactly. The mesh and, when both folders have
 them, the logical axes are compared the same way.
 
@@ -76,23 +77,33 @@ def read_json(folder: Path, name: str, required: bool = True) -> dict[str, Any] 
     return doc
 
 
-def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[str, Leaf]:
+def entry_text(spec: Any, rank: int, exact: bool) -> str:
+    """A spec as compared: padded to the rank (a partition spec), or as written (logical axes: `[]`,
+    no logical axes, is not `[null, null]`, two unnamed dimensions)."""
+    if exact:
+        if not isinstance(spec, list):
+            raise ValueError(spec)
+        return spec_text(spec)
+    return spec_text(spec_to_json(spec, rank))
+
+
+def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False) -> dict[str, Leaf]:
     leaves = {}
     for path, entry in doc.items():
         try:
             shape = tuple(int(d) for d in entry["shape"])
-            leaves[reference_path(path)] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
+            leaves[reference_path(path)] = (shape, entry_text(entry[spec_key], len(shape), exact))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: leaf {path!r} has no readable shape/{spec_key}") from None
     return leaves
 
 
-def our_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[str, Leaf]:
+def our_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False) -> dict[str, Leaf]:
     leaves = {}
     for path, entry in doc.get("tensors", {}).items():
         try:
             shape = tuple(int(d) for d in entry["shape"])
-            leaves[path] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
+            leaves[path] = (shape, entry_text(entry[spec_key], len(shape), exact))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: tensor {path!r} has no readable shape/{spec_key}") from None
     return leaves
@@ -162,8 +173,8 @@ def compare(reference: Path, ours: Path) -> tuple[bool, str]:
     report += lines
     ref_logical, our_logical = read_json(reference, LOGICAL, required=False), read_json(ours, LOGICAL, required=False)
     if ref_logical is not None and our_logical is not None:
-        lines = compare_leaves(LOGICAL, reference_leaves(ref_logical, "partition_spec", reference / LOGICAL),
-                               our_leaves(our_logical, "logical_axes", ours / LOGICAL))
+        lines = compare_leaves(LOGICAL, reference_leaves(ref_logical, "partition_spec", reference / LOGICAL, True),
+                               our_leaves(our_logical, "logical_axes", ours / LOGICAL, True))
         ok &= len(lines) == 1
         report += lines
     report.append("MATCH" if ok else "DIFFERENT")

@@ -134,6 +134,7 @@ def project_of(args: argparse.Namespace) -> Project:
 def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
     """The case the options name, or every case of the project's case files under --all; all of them
     validated (mesh, settings, model) so that every bad input surfaces before any work or output."""
+    from sharding_dump.zoo import maxtext_config
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.dump import setup_case
     from sharding_dump.zoo.settings import parse_assignments
@@ -153,8 +154,12 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
             raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
         if getattr(args, "cases", None):
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
+        overrides, notes = maxtext_config.layout_neutral(parse_assignments(args.settings))
+        if verb == "verifies":
+            for note in notes:
+                print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
-                           1 if args.num_slices is None else args.num_slices, parse_assignments(args.settings))]
+                           1 if args.num_slices is None else args.num_slices, overrides)]
     for case in cases:
         setup_case(case)
     return cases

@@ -182,11 +182,11 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
     import flax.linen as nn
 
     axes = tuple(logical_axes)
-    if len(axes) != x.ndim:
+    if len(axes) > x.ndim:  # fewer leave the last dimensions free, as flax does (MaxText's Qwen3-Next)
         raise ValueError(f"activation {name!r}: {len(axes)} logical axes for a rank-{x.ndim} array")
     _check_name(name)
     if explicit_mesh():
-        return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes)), name, axes)
+        return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))), name, axes)
     return _named(lambda: nn.with_logical_constraint(x, axes), name, axes)
 
 

@@ -20,9 +20,11 @@ layer has no further layer axis; a stage of K > 1 layers holds `layers_0` .. `la
     K > 1:        decoder/layers/stages/layers_<k>/mlp/wi_0/kernel [R,] N, embed, mlp
     K > 1, scan:  decoder/layers/stages/mlp/wi_0/kernel            [R,] N, embed, K, mlp
 
-For gpt-oss the unit of the stack is a block of `inhomogeneous_layer_cycle_interval` layers, so P and
-K count blocks (MaxText pipelines the same blocks but counts them as layers, which would stack twice
-the model's layers; we keep the model's own size).
+P and K count the units of the pipelined stack as MaxText does, whatever a unit holds, and P
+defaults to the card's `num_decoder_layers` (less the layers of the other stacks): where the unit
+is a scanned block of k layers (gpt-oss 2, olmo3, llama4, qwen3-next 4, gemma4 6), the pipelined run
+builds k times the model's layers, as MaxText's does (`DecoderLM.pipeline_stacks`; `check` reports
+it). Gemma 3 pipelines single layers.
 
 Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
 

@@ -273,11 +273,11 @@ def shadowed_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[
 
 
 def rank_mismatches(leaves: Iterable[Leaf]) -> list[tuple[str, int, int]]:
-    """(path, number of logical axes, rank) of every parameter whose logical axes are more or fewer
-    than its dimensions (flax resolves them anyway: the extra names are dropped, the missing
+    """(path, number of logical axes, rank) of every parameter whose logical axes (when it has any)
+    are more or fewer than its dimensions (flax resolves them anyway: the extra names are dropped, the missing
     dimensions left whole)."""
     return [(path, len(logical), len(shape)) for path, shape, logical in leaves
-            if path.startswith(PARAMS) and len(logical) != len(shape)]
+            if path.startswith(PARAMS) and logical and len(logical) != len(shape)]
 
 
 def _examples(paths: Sequence[str], limit: int = 3) -> str:

@@ -8,6 +8,8 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -70,3 +72,14 @@ def test_every_shipped_card_has_its_maxtext_config():
     """The MaxText config list names every shipped card (with its block) and nothing else as a card."""
     shipped = {name: cards.load_config(name).decoder_block for name in cards.model_names()}
     assert {name: MAXTEXT_MODELS[name]["block"] for name in MAXTEXT_PARAMETERS} == shipped
+
+
+def test_qwen3_next_attention_output_has_maxtexts_three_names():
+    """MaxText's own activation dump of qwen3-next-80b-a3b (tpu7x-8, default rules; models/qwen3.py
+    gives its attention `out_axis_names` of three names) records the full attention's output as
+    `attentions/out: bfloat16[96,2048,16,256] ('activation_batch', 'activation_length', 'activation_embed')`."""
+    case = next(c for c in matrix_folders() if c.parts[-4] == "qwen3-next-80b-a3b")
+    tensors = json.loads((case / "activation_shardings.json").read_text())["tensors"]
+    outs = [entry for key, entry in tensors.items() if key.endswith("/attention/attention/attention_out")]
+    assert outs and all(entry["logical_axes"] == ["activation_batch", "activation_length", "activation_embed"]
+                        for entry in outs), outs

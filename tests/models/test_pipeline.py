@@ -214,3 +214,25 @@ def test_pipelined_logits_equal_the_plain_stack():
     for row in rows:
         assert row["ppermute"], row
         assert row["max_abs_diff"] <= 1e-5 * row["scale"] and row["scale"] > 0.1, row
+
+
+# MaxText (e591f30) counts a pipeline's layers in units of the pipelined stack, which is a scanned
+# block for these blocks; its own dumps of the pipelined cases hold these parameter counts.
+SCAN_BLOCK_PIPELINES = [
+    ("gemma4-31b", "tpu7x-8", {"ici_pipeline_parallelism": 2}, PipelineConfig(2, 2, 30, 60, 1, False), 360),
+    ("olmo3-32b", "tpu7x-8", {"ici_pipeline_parallelism": 4}, PipelineConfig(4, 4, 16, 64, 1, False), 256),
+    ("olmo3-32b", "tpu7x-8", {"ici_pipeline_parallelism": 4, "num_pipeline_repeats": 2,
+                              "num_layers_per_pipeline_stage": 8}, PipelineConfig(4, 4, 2, 64, 8, False), 256),
+    ("gemma3-4b", "tpu7x-8", {"ici_pipeline_parallelism": 2}, PipelineConfig(2, 2, 17, 34, 1, False), 34),
+]
+
+
+@pytest.mark.parametrize("model,topology,overrides,expected,layers", SCAN_BLOCK_PIPELINES,
+                         ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for m, _, o, _, _ in SCAN_BLOCK_PIPELINES])
+def test_pipelines_count_units_of_the_stack_as_maxtext(model, topology, overrides, expected, layers):
+    """gemma4's unit is a scanned block of 6 layers, olmo3's of 4: MaxText's default pipeline takes
+    `num_decoder_layers` of them (so 360 and 256 layers); Gemma 3 pipelines single layers."""
+    setup = setup_case(Case.make(model, topology, "default", overrides=overrides))
+    assert setup.pipeline == expected
+    assert cards.built_layers(setup.config, pipelined=True) == layers
+    assert cards.built_layers(setup.config, pipelined=False) == setup.config.num_decoder_layers

@@ -75,6 +75,9 @@ def test_recording_is_scoped_to_one_trace():
     assert first.token != second.token
     with pytest.raises(ValueError, match="2 logical axes for a rank-1 array"):
         constrain(jnp.ones(3), ("b", None), "bad")
+    with nn.logical_axis_rules((("b", None),)), activations.recording() as fewer:
+        constrain(x, ("b",), "fewer")  # the last dimension left free, recorded as named (MaxText's Qwen3-Next)
+    assert [s.logical_axes for s in fewer.sites] == [("b",)]
     with pytest.raises(ValueError, match="activation name 'a/b'"):
         constrain(x, ("b", None), "a/b")
 
