@@ -128,9 +128,20 @@ def test_mesh_difference_is_reported(tmp_path, capsys):
     assert result.returncode == 1 and "mesh differs" in result.stdout
 
 
+def reference_keyed(tmp, key):
+    """A reference folder of one leaf under `key`, and an empty one of ours."""
+    (tmp / "ref").mkdir()
+    (tmp / "ref" / "named_shardings.json").write_text(json.dumps({key: {"partition_spec": [], "shape": []}}))
+    (tmp / "ours").mkdir()
+    (tmp / "ours" / "named_shardings.json").write_text("{}")
+    return tmp / "ref", tmp / "ours"
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda tmp: (tmp / "nope", tmp), "no such case folder"),
     (lambda tmp: (tmp, tmp), "named_shardings.json: no such file"),
+    (lambda tmp: reference_keyed(tmp, ".params/decoder"),
+     "named_shardings.json: leaf '.params/decoder': element at character 8 is not a jax key"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, make, message):
     result = run_tool(capsys, *make(tmp_path))
