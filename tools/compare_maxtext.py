@@ -70,6 +70,8 @@ def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[st
             key = leaf_path(path)
         except ValueError as err:
             raise BadInput(f"{where}: leaf {err}") from None
+        if key in leaves:
+            raise BadInput(f"{where}: leaf {path!r} reads as {key!r}, the path of an earlier leaf")
         try:
             shape = tuple(int(d) for d in entry["shape"])
             leaves[key] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
