@@ -132,7 +132,7 @@ def test_readme_project_table_is_the_guides():
 
 # Pages other changes add under docs/ before the nav lists them (mkdocs builds a page the nav leaves
 # out, with a note: mkdocs.yml's validation.nav.omitted_files).
-NOT_YET_IN_NAV = {"hf-models.md", "activations.md", "errors-and-limits.md"}
+NOT_YET_IN_NAV: set[str] = set()  # pages that may land before their nav entry
 
 
 def test_every_page_is_in_the_nav():
