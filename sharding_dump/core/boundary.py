@@ -311,8 +311,8 @@ class _Search:
 @contextlib.contextmanager
 def bounded_regexes() -> Iterator[Callable[[str, str, str], bool]]:
     """A block of rule-file regex searches (those of one parameter path, or of one rule over a
-    model's paths) bounded by the regex time limit as a whole: a sane regex takes microseconds. It yields `search(pattern, text, where)`,
-    `re.search` that notes what it searches: a regex that backtracks without end (`(a+)+$`) on a long
+    model's paths) bounded by the regex time limit as a whole: a sane regex takes microseconds. It
+    yields `search(pattern, text, where)`, `re.search` that notes what it searches: a regex that backtracks without end (`(a+)+$`) on a long
     path is one line naming `where` (the rule), the regex and the text, instead of a hang."""
     now = _Search()
 
