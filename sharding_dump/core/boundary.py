@@ -161,21 +161,28 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+BACKUP_SECONDS = 1.0  # after the timer, the watchdog: a call that reset SIGALRM is ended all the same
+
+
 def _arm(deadline: float) -> None:
-    """Sets the timer (main thread) or the watchdog (other threads) to fire at `deadline`."""
+    """Sets the timer (main thread) to fire at `deadline`, and the watchdog (other threads; in the
+    main thread, for the user's code, a second later, should the code have reset the timer)."""
     delay = max(deadline - time.monotonic(), 1e-6)
     if _signals_bound_calls():
         signal.setitimer(signal.ITIMER_REAL, delay)
-        return
+        if not _thread.process:  # a bounded block of the harness's own: the timer is enough
+            return
+        delay += BACKUP_SECONDS
     if _thread.watchdog is not None:
         _thread.watchdog.cancel()
     ident = threading.get_ident()
     calls = _thread.calls
     lock = _thread.lock
+    late = delay - max(deadline - time.monotonic(), 1e-6)
 
     def fire() -> None:
         with lock:
-            if calls and time.monotonic() >= min(c.deadline for c in calls) - 0.001:
+            if calls and time.monotonic() >= min(c.deadline for c in calls) + late - 0.001:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(TimeLimitExceeded))
 
     _thread.watchdog = threading.Timer(delay, fire)
@@ -225,6 +232,11 @@ def _enter_outermost(user: bool) -> None:
 
 
 def _leave_outermost() -> None:
+    with _thread.lock:
+        if _thread.watchdog is not None:
+            _thread.watchdog.cancel()
+            _thread.watchdog = None
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
     _restore_process(_thread.process)
     _thread.process = ()
     if _signals_bound_calls():
@@ -236,12 +248,6 @@ def _leave_outermost() -> None:
         if delay > 0:  # someone else's timer (pytest-timeout's, say) runs on
             signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
         _thread.saved = ()
-    else:
-        with _thread.lock:
-            if _thread.watchdog is not None:
-                _thread.watchdog.cancel()
-                _thread.watchdog = None
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
 
 
 def first_line(err: BaseException) -> str:
