@@ -15,9 +15,10 @@ raise anything, call `sys.exit`, loop forever or be interrupted. :func:`guard` r
 * Ctrl-C (SIGINT) still ends the run: a `KeyboardInterrupt` the terminal sent passes through (the
   CLI exits 130); one the user's code raised itself is a UserCodeError like any other.
 
-In the main thread the limit is a SIGALRM timer (it interrupts sleeps and regex matching too); in
-another thread, an exception posted to that thread when the time is up. Handlers and timers are
-installed for the call only and restored after it: importing this module changes nothing.
+In the main thread the limit is a SIGALRM timer (it interrupts sleeps and regex matching too),
+backed a second later by a watchdog thread; in another thread, the watchdog alone (an exception
+posted to that thread when the time is up). Handlers and timers are installed for the call only and
+restored after it: importing this module changes nothing.
 
 >>> with time_limit(5):
 ...     with guard("the factory make_lm"):
@@ -43,7 +44,8 @@ from typing import Any, Callable, Iterator
 
 from sharding_dump.errors import BadInput, one_line, shown
 
-LIMIT_HINT = "--time-limit, pytest --sharding-time-limit, default in sharding_dump/data/time_limits.yml"
+LIMIT_HINT = ("--time-limit, pytest --sharding-time-limit, time-limit of [tool.sharding-dump], default in "
+              "sharding_dump/data/time_limits.yml")
 
 
 class UserCodeError(BadInput):
