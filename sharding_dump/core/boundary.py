@@ -15,9 +15,10 @@ raise anything, call `sys.exit`, loop forever or be interrupted. :func:`guard` r
 * Ctrl-C (SIGINT) still ends the run: a `KeyboardInterrupt` the terminal sent passes through (the
   CLI exits 130); one the user's code raised itself is a UserCodeError like any other.
 
-In the main thread the limit is a SIGALRM timer (it interrupts sleeps and regex matching too); in
-another thread, an exception posted to that thread when the time is up. Handlers and timers are
-installed for the call only and restored after it: importing this module changes nothing.
+In the main thread the limit is a SIGALRM timer (it interrupts sleeps and regex matching too),
+backed a second later by a watchdog thread; in another thread, the watchdog alone (an exception
+posted to that thread when the time is up). Handlers and timers are installed for the call only and
+restored after it: importing this module changes nothing.
 
 >>> with time_limit(5):
 ...     with guard("the factory make_lm"):
@@ -43,7 +44,8 @@ from typing import Any, Callable, Iterator
 
 from sharding_dump.errors import BadInput, one_line, shown
 
-LIMIT_HINT = "--time-limit, pytest --sharding-time-limit, default in sharding_dump/data/time_limits.yml"
+LIMIT_HINT = ("--time-limit, pytest --sharding-time-limit, time-limit of [tool.sharding-dump], default in "
+              "sharding_dump/data/time_limits.yml")
 
 
 class UserCodeError(BadInput):
@@ -161,21 +163,28 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+BACKUP_SECONDS = 1.0  # after the timer, the watchdog: a call that reset SIGALRM is ended all the same
+
+
 def _arm(deadline: float) -> None:
-    """Sets the timer (main thread) or the watchdog (other threads) to fire at `deadline`."""
+    """Sets the timer (main thread) to fire at `deadline`, and the watchdog (other threads; in the
+    main thread, for the user's code, a second later, should the code have reset the timer)."""
     delay = max(deadline - time.monotonic(), 1e-6)
     if _signals_bound_calls():
         signal.setitimer(signal.ITIMER_REAL, delay)
-        return
+        if not _thread.process:  # a bounded block of the harness's own: the timer is enough
+            return
+        delay += BACKUP_SECONDS
     if _thread.watchdog is not None:
         _thread.watchdog.cancel()
     ident = threading.get_ident()
     calls = _thread.calls
     lock = _thread.lock
+    late = delay - max(deadline - time.monotonic(), 1e-6)
 
     def fire() -> None:
         with lock:
-            if calls and time.monotonic() >= min(c.deadline for c in calls) - 0.001:
+            if calls and time.monotonic() >= min(c.deadline for c in calls) + late - 0.001:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(TimeLimitExceeded))
 
     _thread.watchdog = threading.Timer(delay, fire)
@@ -225,6 +234,11 @@ def _enter_outermost(user: bool) -> None:
 
 
 def _leave_outermost() -> None:
+    with _thread.lock:
+        if _thread.watchdog is not None:
+            _thread.watchdog.cancel()
+            _thread.watchdog = None
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
     _restore_process(_thread.process)
     _thread.process = ()
     if _signals_bound_calls():
@@ -236,12 +250,6 @@ def _leave_outermost() -> None:
         if delay > 0:  # someone else's timer (pytest-timeout's, say) runs on
             signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
         _thread.saved = ()
-    else:
-        with _thread.lock:
-            if _thread.watchdog is not None:
-                _thread.watchdog.cancel()
-                _thread.watchdog = None
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
 
 
 def first_line(err: BaseException) -> str:
@@ -311,8 +319,8 @@ class _Search:
 @contextlib.contextmanager
 def bounded_regexes() -> Iterator[Callable[[str, str, str], bool]]:
     """A block of rule-file regex searches (those of one parameter path, or of one rule over a
-    model's paths) bounded by the regex time limit as a whole: a sane regex takes microseconds. It yields `search(pattern, text, where)`,
-    `re.search` that notes what it searches: a regex that backtracks without end (`(a+)+$`) on a long
+    model's paths) bounded by the regex time limit as a whole: a sane regex takes microseconds. It
+    yields `search(pattern, text, where)`, `re.search` that notes what it searches: a regex that backtracks without end (`(a+)+$`) on a long
     path is one line naming `where` (the rule), the regex and the text, instead of a hang."""
     now = _Search()
 

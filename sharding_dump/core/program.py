@@ -82,8 +82,8 @@ class Input:
         except (TypeError, ValueError):
             numeric = False
         if not numeric:
-            raise ProgramError(f"Input(dtype={shown(self.dtype)}): not a numeric dtype; give a numpy or JAX dtype such as "
-                               "'int32', 'float32' or 'bfloat16'")
+            raise ProgramError(f"Input(dtype={shown(self.dtype)}): not a numeric dtype; give a numpy or JAX dtype "
+                               "such as 'int32', 'float32' or 'bfloat16'")
         if axes is None:
             return
         if isinstance(axes, (str, bytes)) or not isinstance(axes, Sequence) or not all(
@@ -229,7 +229,8 @@ class ModelProgram:
                 self.positions == "auto" or self.positions.isidentifier())):
             raise ProgramError(f"ModelProgram(positions={describe(self.positions)}): give 'auto', None or the "
                                "keyword the model's call takes the positions under")
-        if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in self.kwargs):
+        if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) and k.isidentifier()
+                                                           for k in self.kwargs):
             raise ProgramError(f"ModelProgram(kwargs={describe(self.kwargs)}): give a mapping, keyword (an "
                                "identifier) -> constant argument")
         logits = self.logits
@@ -343,8 +344,8 @@ class ModelProgram:
         tokens = batch["inputs"].shape
         if getattr(logits, "ndim", None) != 3 or tuple(logits.shape[:2]) != tuple(tokens) \
                 or not jnp.issubdtype(logits.dtype, jnp.floating):
-            raise ProgramError(f"the model's output {describe(output)} holds no float logits [batch, length, vocab] for "
-                               f"tokens {describe(batch['inputs'])}; name them with ModelProgram(logits=...): an "
+            raise ProgramError(f"the model's output {describe(output)} holds no float logits [batch, length, vocab] "
+                               f"for tokens {describe(batch['inputs'])}; name them with ModelProgram(logits=...): an "
                                "attribute or key, an index, or a function of the output")
         return logits
 

@@ -62,6 +62,15 @@ def test_a_call_past_its_time_limit_is_one_line_naming_the_limit(body):
             body()
 
 
+def test_a_call_that_silences_the_timer_is_ended_by_the_watchdog():
+    """The user's code ignores SIGALRM and cancels the timer, then loops: the watchdog a second later."""
+    with time_limit(0.3), pytest.raises(UserCodeError, match="^the factory f did not finish within the time limit"):
+        with guard("the factory f"):
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            loop()
+
+
 def test_the_limit_runs_per_outermost_call_and_a_shorter_inner_limit_wins():
     with time_limit(0.3), pytest.raises(UserCodeError, match="^outer did not finish within .* 0.3 s"):
         with guard("outer"):

@@ -438,7 +438,9 @@ def test_a_verify_child_killed_or_out_of_memory_is_named(user_repo, capsys):
     """))
     assert cli.main(["verify", "--model", "starved:make", "--rule", "rules.yml", *SIZES, "--golden-dir", "golden"]) == 1
     out = capsys.readouterr().out
-    assert "compile failed: the compiling process " in out and ("MemoryError" in out or "killed by SIGABRT: " in out), out
+    reason = out.split("compile failed: the compiling process ", 1)[-1].split("\n", 1)[0]
+    # how a starved compiler dies varies (a MemoryError, SIGABRT from LLVM, the loader's abort): each is named
+    assert any(word in reason for word in ("MemoryError", "alloc", "pthread_create")), out
     assert cli.main(["verify", "--model", "hostile_user:memory", "--rule", "rules.yml", *SIZES,
                      "--golden-dir", "golden"]) == 2
     assert "failed with MemoryError: cannot allocate" in capsys.readouterr().err
