@@ -325,3 +325,18 @@ def test_param_with_axes_reads_are_not_activations(fresh):
     assert len(params_axes_specs(t5x_style.Decoder())) == 19
     reads = [c.key for c in dump.trace_activations(setup) if (tuple(c.shape), tuple(c.logical_axes)) in weights]
     assert reads == []
+
+
+# --- the compiled step agrees ----------------------------------------------------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [PURE_JAX, T5X_TRAIN], ids=["pure-jax", "t5x-train"])
+def test_verify_compiles_the_program_as_dumped(fresh, tmp_path, capsys, spec):
+    """Each program's own step, compiled on fake devices with the golden's state shardings: they match."""
+    model, topology, rule, overrides = spec
+    args = ["--model", model, "--topology", topology, "--rule", rule, *(f"{k}={v}" for k, v in overrides.items()),
+            "--golden-dir", str(tmp_path)]
+    assert cli.main(args) == 0
+    status = cli.main(["verify", *args])
+    out = capsys.readouterr().out
+    assert status == 0 and "1 case verified, 0 failed" in out, out
