@@ -155,6 +155,16 @@ def test_pure_jax_rule_edit_fails_its_golden(fresh, tmp_path):
     assert "params/layers/0/q" not in report
 
 
+def test_check_says_where_a_listed_weight_was_placed(fresh):
+    """`check` names the program as the source of a weight it lists, and its spec."""
+    from sharding_dump.commands import check
+
+    (finding,) = check.lint_case(make_case(PURE_JAX), tolerance=0.0)
+    at = finding.details.index("params/final_norm  256 Bytes")
+    assert finding.details[at + 1].startswith("  placed by the program itself: its init's own sharding")
+    assert finding.details[at + 2] == "  spec [None]"
+
+
 def test_auto_mesh_reads_the_declared_out_shardings(fresh):
     """On an Auto mesh the types carry no sharding, yet the weights are placed as init's jit declares."""
     spec = PURE_JAX[:3] + ({**PURE_JAX[3], "shard_mode": "auto"},)
