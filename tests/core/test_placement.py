@@ -183,7 +183,7 @@ def test_init_is_traced_once(fresh):
     calls = []
     real = pj.init_weights
     fresh.setattr(pj, "init_weights", lambda key, cfg: calls.append(1) or real(key, cfg))
-    dump.dump_case(make_case(PURE_JAX))
+    dump.case_layouts(make_case(PURE_JAX))  # the even-split check of explicit mode, then the layouts
     assert len(calls) == 1
 
 
