@@ -12,7 +12,10 @@
   every device; MaxText's own rule files leave names out on purpose);
 - replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
   size > 1, i.e. held whole by every device;
-- memory: params + optimizer state per device above the topology's HBM per device.
+- memory: params + optimizer state per device above the topology's HBM per device;
+- pipeline-layers: a pipelined case that builds more decoder layers (and parameters) than the card's
+  model, because MaxText counts `pipeline_parallel_layers` in units of a scanned block (gemma4-31b
+  with a pipeline: 60 blocks of 6 layers, 360 layers). The golden is what the run builds; this says so.
 
 Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.zoo.rules.deciding_rule`),
 and where that rule was written from the rule set's origins (file:line of the rule file or model card).
@@ -33,6 +36,7 @@ from sharding_dump import models
 from sharding_dump.commands import options, tables
 from sharding_dump.core import specs
 from sharding_dump.core.layout import TensorLayout, indivisible, leaves, per_device_totals
+from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import diff
 from sharding_dump.golden.engine import display
@@ -50,6 +54,7 @@ class Finding:
     """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
 
     lint: str  # divisibility | unknown-name | unplaced | partition-rule | rank | no-rule | replicated | memory
+    #            | pipeline-layers
     subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
     message: str
     details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
@@ -248,6 +253,11 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
         findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
                                 f"matches no parameter path of model {setup.case.model_ref.label} (a typo?)",
                                 (f"rule: {rule.where}",)))
+    for rule, first, path in rules.shadowed_partition_rules(rule_set, _leaves(layouts)):
+        findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
+                                f"places nothing: every parameter path it matches is matched first by partition "
+                                f"rule {first.pattern!r} (first match wins), e.g. {path}",
+                                (f"rule: {rule.where}", f"shadowed by: {first.where}")))
     for path, count, rank in rules.rank_mismatches(_leaves(layouts)):
         findings.append(Finding("rank", path, f"{count} logical axes for a tensor of rank {rank}: "
                                 + ("the extra names are dropped" if count > rank else
@@ -324,6 +334,31 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
         _tensor_details(setup.rule_set, listed, len(rest), sum(by_param[p] for p in rest), "parameters"))]
 
 
+def _billions(count: int) -> str:
+    return f"{count:,} ({count / 1e9:.2f}B)"
+
+
+def check_pipeline_layers(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """A pipelined case whose stack holds more decoder layers than the card's model: MaxText's
+    `pipeline_parallel_layers` counts units of the pipelined stack, and a unit may be a scanned block."""
+    pp, cfg = setup.pipeline, setup.config
+    if pp is None or cfg is None:
+        return []
+    built, model = cards.built_layers(cfg, pipelined=True), cards.built_layers(cfg, pipelined=False)
+    if built <= model:
+        return []
+    built_params = sum(math.prod(t.shape) for t in layouts if t.group == "params")
+    model_params = parameter_count(state.abstract_params(cfg))
+    stack = cards.pipelined_stack(cfg)
+    return [Finding(
+        "pipeline-layers", "decoder layers the pipeline builds",
+        f"the pipelined run builds {built} decoder layers where model {cfg.name} has {model}, and "
+        f"{_billions(built_params)} parameters where the model has {_billions(model_params)}",
+        (f"MaxText counts pipeline_parallel_layers ({pp.num_layers} = {pp.num_stages} stages x {pp.num_repeats} "
+         f"repeats x {pp.layers_per_stage} per stage) and the layers outside the pipeline in units of the "
+         f"pipelined stack, here blocks of {stack.unit_layers} layers: {stack.length} blocks in all",))]
+
+
 def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     """Every finding of `case`, lint by lint."""
     settings = lint_settings()
@@ -335,7 +370,8 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     return (check_divisibility(setup, layouts)
             + check_names(setup, settings.known_logical_axes, layouts, activation_axes)
             + check_placement(setup, layouts)
-            + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
+            + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts)
+            + check_pipeline_layers(setup, layouts))
 
 
 def parse_tolerance(text: str) -> float:

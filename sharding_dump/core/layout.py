@@ -110,14 +110,15 @@ def path_text(key_path: Sequence[Any]) -> str:
 
 
 def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
-    """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
-    no logical axes: all None)."""
+    """(path, abstract array, logical axes) for every leaf, in path order (an unboxed leaf has no
+    logical axes: `()`, which MaxText's logical dump writes `[]`, where a box of unnamed dimensions
+    writes one null per dimension)."""
     out = []
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
         if is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
-            array, logical = leaf, (None,) * len(leaf.shape)
+            array, logical = leaf, ()
         out.append((path_text(key_path), array, logical))
     return sorted(out, key=lambda item: item[0])
 
@@ -169,7 +170,7 @@ def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ..
     """(logical axes, mesh spec or None) of a parameter without logical axes, by the first path rule."""
     index = match_path_rule(path_rules, key) if shape else None
     if index is None:
-        return (None,) * len(shape), None
+        return (), None
     rule = path_rules[index]
     if len(rule.entries) > len(shape):
         raise PartitionRuleError(f"partition rule {rule.where or repr(rule.pattern)} ({rule.pattern!r}): "
@@ -201,7 +202,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
 
     def own(path: str, leaf: Any) -> tuple[LogicalAxes, tuple | None, str]:
         array = leaf.value if is_box(leaf) else leaf
-        logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
+        logical = tuple(leaf.names) if is_box(leaf) else ()
         spec = (declared or {}).get(path)
         if spec is not None:
             return logical, tuple(spec) + (None,) * (len(array.shape) - len(spec)), "type"
@@ -225,8 +226,8 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
             param_logical, param_spec, param_source = placed.get(leaf.parameter, (None, None, "none"))
             if source != "none":
                 source = param_source if source == "box" else source
-            elif param_logical is not None:  # placed by a path rule or by its type
-                logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims)
+            elif param_logical or param_spec is not None:  # placed by a path rule or by its type
+                logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims) if param_logical else ()
                 if param_spec is not None:
                     spec = tuple(param_spec[d] if d is not None else None for d in leaf.dims)
                 placed_any = any(n is not None for n in logical) or any(e is not None for e in spec or ())
@@ -249,7 +250,7 @@ def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:
     out = []
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
         array = leaf.value if is_box(leaf) else leaf
-        logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
+        logical = tuple(leaf.names) if is_box(leaf) else ()
         sharding = getattr(array, "sharding", None)
         spec = sharding.spec if sharding is not None else PartitionSpec()
         source = source_of(leaf) if any(n is not None for n in logical) else \

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharding_dump.core.capture import note_nnx_modules
 from sharding_dump.core.layout import is_box, leaves, path_rules_of, path_text, place_by_path, unbox
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import Slot, optimizer_state
@@ -261,7 +260,6 @@ def _nnx_model(abstract_module: Any, call: CallFn) -> Model:
             values.append((path, var.replace(node)))
         rest_values = jax.tree.map(_concrete_placeholder, rest)
         module = nnx.merge(graphdef, nnx.from_flat_state(values), rest_values)
-        note_nnx_modules(module)
         return call(module, batch, rngs)
 
     return Model("nnx", abstract_params, apply)
