@@ -323,8 +323,6 @@ def test_hf_flax_llama_as_users_hold_it(fresh):
 
 # --- parameter reads are not activations -----------------------------------------------------------------
 
-@pytest.mark.xfail(reason="param_with_axes constrains each weight where it is read; leaving those reads out of "
-                          "the activations is the step recording's change (issue 25, item 2)", strict=False)
 def test_param_with_axes_reads_are_not_activations(fresh):
     """The weights' own constraints on their reads (same shape, same names as the weight) are the
     state's placement, already in the state's goldens: none is an activation entry."""
@@ -350,3 +348,12 @@ def test_verify_compiles_the_program_as_dumped(fresh, tmp_path, capsys, spec):
     status = cli.main(["verify", *args])
     out = capsys.readouterr().out
     assert status == 0 and "1 case verified, 0 failed" in out, out
+
+
+def test_explicit_mode_names_regex_placed_weights(fresh):
+    """On an Explicit mesh the harness places a ModelProgram's weights itself (by its regexes): their
+    source is the regex, not the type it put them in."""
+    spec = REGEX[:3] + ({**REGEX[3], "shard_mode": "explicit"},)
+    layouts = layouts_of(spec)
+    assert layouts["params/transformer/h_0/feed_forward/w1/kernel"].source == "regex"
+    assert layouts["opt_state/0/mu/transformer/h_0/feed_forward/w1/kernel"].source == "regex"
