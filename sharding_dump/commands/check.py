@@ -146,7 +146,8 @@ def rule_text(rule_set: rules.RuleSet, index: int) -> str:
 
 
 # How a leaf whose spec did not come from a linen or NNX box was placed (core.placement.SOURCES).
-SOURCE_TEXT = {"type": "placed by the program itself: the sharding in the type of its init's output",
+SOURCE_TEXT = {"type": "placed by the program itself: its init's own sharding (jit out_shardings, reshard, "
+                       "device_put or a constraint)",
                "params_axes": "placed by its params_axes names (flax.linen.partitioning) under the logical rules",
                "regex": "placed by a partition rule (path regex)"}
 

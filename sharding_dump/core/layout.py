@@ -240,22 +240,29 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     return out
 
 
-def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:
+def typed_layouts(state: Any, sizes: Mapping[str, int], rules: Any = None) -> list[TensorLayout]:
     """The layout of every leaf of a state traced on an Explicit-axis mesh, read from the sharding
     each leaf carries in its type (a leaf without one, e.g. a scalar JAX leaves unannotated, is
     replicated); logical axes from the boxes as :func:`leaves` reads them. The harness placed the
-    state by its boxes, so a leaf's source is its box's (`box`, `params_axes`), else its type's."""
+    state by its boxes and the path rules of `rules`, so a leaf's source is its box's (`box`,
+    `params_axes`), else `regex` when a path rule matches its parameter, else its type's."""
+    from sharding_dump.core.optimizer import Slot
     from sharding_dump.core.placement import source_of
 
+    path_rules = path_rules_of(rules) if rules is not None else ()
     out = []
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
         array = leaf.value if is_box(leaf) else leaf
         logical = tuple(leaf.names) if is_box(leaf) else ()
         sharding = getattr(array, "sharding", None)
         spec = sharding.spec if sharding is not None else PartitionSpec()
+        path = path_text(key_path)
+        parameter = leaf.parameter if isinstance(leaf, Slot) else path[len("params/"):] if \
+            path.startswith("params/") else None
         source = source_of(leaf) if any(n is not None for n in logical) else \
-            "type" if any(e is not None for e in spec) else "none"
-        out.append(TensorLayout(path_text(key_path), tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical,
+            "none" if not any(e is not None for e in spec) else \
+            "regex" if parameter and match_path_rule(path_rules, parameter) is not None else "type"
+        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical,
                                 spec, dict(sizes), source))
     return sorted(out, key=lambda t: t.path)
 

@@ -57,9 +57,17 @@ def _given(sharding: Any) -> PartitionSpec | None:
     return sharding.spec if isinstance(sharding, NamedSharding) else None
 
 
-def _producer_spec(jaxpr: Any, var: Any) -> PartitionSpec | None:
-    """The spec the equation producing `var` declares (following it into a jit's body), if any."""
-    found = next(((eqn, i) for eqn in reversed(jaxpr.eqns) for i, out in enumerate(eqn.outvars) if out is var), None)
+def _producers(jaxpr: Any) -> dict[int, tuple[Any, int]]:
+    """{id(var): (equation, output index)} of every variable an equation of `jaxpr` makes."""
+    return {id(out): (eqn, i) for eqn in jaxpr.eqns for i, out in enumerate(eqn.outvars)}
+
+
+def _producer_spec(jaxpr: Any, var: Any, made: dict[int, dict[int, tuple[Any, int]]]) -> PartitionSpec | None:
+    """The spec the equation producing `var` declares (following it into a jit's body), if any;
+    `made` holds each jaxpr's producers, by id, as they are first needed."""
+    if id(jaxpr) not in made:
+        made[id(jaxpr)] = _producers(jaxpr)
+    found = made[id(jaxpr)].get(id(var))
     if found is None:  # an input passed through
         return None
     eqn, index = found
@@ -67,7 +75,7 @@ def _producer_spec(jaxpr: Any, var: Any) -> PartitionSpec | None:
     if name in _JIT:
         inner = params["jaxpr"].jaxpr
         declared = _given(params["out_shardings"][index])
-        return declared if declared is not None else _producer_spec(inner, inner.outvars[index])
+        return declared if declared is not None else _producer_spec(inner, inner.outvars[index], made)
     if name == "sharding_constraint":
         return _given(params["sharding"])
     if name == "reshard":
@@ -82,12 +90,13 @@ def declared_specs(closed: Any) -> list[PartitionSpec | None]:
     producing it declares (a jit's `out_shardings`, a constraint, a `reshard` or `device_put`,
     replicated included), else the sharding in its type when that splits it (Explicit mesh), else
     None."""
-    out = []
+    out: list[PartitionSpec | None] = []
+    made: dict[int, dict[int, tuple[Any, int]]] = {}
     for var in closed.jaxpr.outvars:
         if isinstance(var, jax.extend.core.Literal):
             out.append(None)
             continue
-        declared = _producer_spec(closed.jaxpr, var)
+        declared = _producer_spec(closed.jaxpr, var, made)
         out.append(declared if declared is not None else _named(getattr(var.aval, "sharding", None)))
     return out
 
@@ -119,18 +128,19 @@ def placed(state: Any, specs: Mapping[str, PartitionSpec], mesh: Any) -> Any:
 def box_params_axes(variables: Any) -> Any:
     """Every Mapping in `variables` that holds both `params` and `params_axes` (flax variables, or a
     state keeping them side by side) with each parameter boxed as an :class:`AxesBox` of its names;
-    anything else as it was."""
+    anything else as it was (the very object, when nothing holds `params_axes`)."""
     from flax.core import unfreeze
     from flax.linen import partitioning
 
-    if isinstance(variables, Mapping):
-        items = dict(variables)
-        if "params" in items and AXES_COLLECTION in items:
-            names = partitioning.get_axis_names(unfreeze(items[AXES_COLLECTION]))
-            items["params"] = _boxed(unfreeze(items["params"]), unfreeze(names))
-            return items
-        return {key: box_params_axes(value) for key, value in items.items()}
-    return variables
+    if not isinstance(variables, Mapping):
+        return variables
+    items = dict(variables)
+    if "params" in items and AXES_COLLECTION in items:
+        names = partitioning.get_axis_names(unfreeze(items[AXES_COLLECTION]))
+        items["params"] = _boxed(unfreeze(items["params"]), unfreeze(names))
+        return items
+    boxed = {key: box_params_axes(value) for key, value in items.items()}
+    return boxed if any(boxed[key] is not items[key] for key in items) else variables
 
 
 def _boxed(params: Any, names: Any) -> Any:

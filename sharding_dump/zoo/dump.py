@@ -141,7 +141,7 @@ def _check_even_splits(setup: CaseSetup) -> None:
         layouts = _own_layouts(setup)
     else:
         auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
-            _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
+            _factory_state(setup.case.model, setup.plan, setup.rule_set, False, setup.optimizer)
         layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
                                        setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
@@ -179,9 +179,10 @@ def program_model(ref: str) -> Model:
 
 
 @functools.lru_cache(maxsize=CASES_PER_PROCESS)
-def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool, tx: Any) -> Any:
-    """The abstract state of a user's model on the plan's mesh; for a TrainProgram, (its own init's
-    state, {leaf path: the spec it placed that leaf on}), traced once."""
+def _factory_state(ref: str, plan: MeshPlan, rules: rules.RuleSet, explicit: bool, tx: Any) -> Any:
+    """The abstract state of a user's model on the plan's mesh under the rule file (its logical rules,
+    and in explicit mode its path rules too); for a TrainProgram, (its own init's state, {leaf path:
+    the spec it placed that leaf on}), traced once."""
     program = factory_program(ref)
     mesh = plan.abstract_mesh(explicit=explicit)
     if isinstance(program, TrainProgram):
@@ -216,7 +217,7 @@ def layout_view(setup: CaseSetup, train_state: Any) -> Any:
 
 def _own_traced(setup: CaseSetup) -> tuple[Any, dict[str, Any]]:
     """A TrainProgram's state, traced once on the case's mesh, and what its init placed itself."""
-    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set, setup.explicit,
                           setup.optimizer)
 
 
@@ -236,7 +237,7 @@ def abstract_state_of(setup: CaseSetup) -> Any:
     if setup.config is not None:
         return _abstract_state(setup.config, setup.optimizer, setup.pipeline)
     if not _own_init(setup):
-        return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
+        return _factory_state(setup.case.model, setup.plan, setup.rule_set, setup.explicit,
                               setup.optimizer)
     raw, _ = _own_traced(setup)
     if not setup.explicit:
@@ -265,7 +266,7 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
         return setup, _own_layouts(setup)
     boxed = layout_view(setup, abstract_state_of(setup))
     if setup.explicit:
-        return setup, typed_layouts(boxed, setup.plan.sizes)
+        return setup, typed_layouts(boxed, setup.plan.sizes, setup.rule_set)
     return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
 
 

@@ -155,6 +155,16 @@ def test_pure_jax_rule_edit_fails_its_golden(fresh, tmp_path):
     assert "params/layers/0/q" not in report
 
 
+def test_check_says_where_a_listed_weight_was_placed(fresh):
+    """`check` names the program as the source of a weight it lists, and its spec."""
+    from sharding_dump.commands import check
+
+    (finding,) = check.lint_case(make_case(PURE_JAX), tolerance=0.0)
+    at = finding.details.index("params/final_norm  256 Bytes")
+    assert finding.details[at + 1].startswith("  placed by the program itself: its init's own sharding")
+    assert finding.details[at + 2] == "  spec [None]"
+
+
 def test_auto_mesh_reads_the_declared_out_shardings(fresh):
     """On an Auto mesh the types carry no sharding, yet the weights are placed as init's jit declares."""
     spec = PURE_JAX[:3] + ({**PURE_JAX[3], "shard_mode": "auto"},)
@@ -173,7 +183,7 @@ def test_init_is_traced_once(fresh):
     calls = []
     real = pj.init_weights
     fresh.setattr(pj, "init_weights", lambda key, cfg: calls.append(1) or real(key, cfg))
-    dump.dump_case(make_case(PURE_JAX))
+    dump.case_layouts(make_case(PURE_JAX))  # the even-split check of explicit mode, then the layouts
     assert len(calls) == 1
 
 
@@ -309,3 +319,41 @@ def test_hf_flax_llama_as_users_hold_it(fresh):
     assert any(eqn.primitive.name == "random_bits" for eqn, _ in equations(closed))  # dropout on
     module = as_program(hf_llama.small_llama_module)
     assert type(module.model) is type(program.model) and module.kwargs == program.kwargs
+
+
+# --- parameter reads are not activations -----------------------------------------------------------------
+
+def test_param_with_axes_reads_are_not_activations(fresh):
+    """The weights' own constraints on their reads (same shape, same names as the weight) are the
+    state's placement, already in the state's goldens: none is an activation entry."""
+    from examples import t5x_style
+
+    setup = dump.setup_case(make_case(T5X))
+    weights = {(tuple(t.shape), t.logical_axes) for t in dump.case_layouts(make_case(T5X))[1] if t.group == "params"}
+    assert len(params_axes_specs(t5x_style.Decoder())) == 19
+    reads = [c.key for c in dump.trace_activations(setup) if (tuple(c.shape), tuple(c.logical_axes)) in weights]
+    assert reads == []
+
+
+# --- the compiled step agrees ----------------------------------------------------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [PURE_JAX, T5X_TRAIN], ids=["pure-jax", "t5x-train"])
+def test_verify_compiles_the_program_as_dumped(fresh, tmp_path, capsys, spec):
+    """Each program's own step, compiled on fake devices with the golden's state shardings: they match."""
+    model, topology, rule, overrides = spec
+    args = ["--model", model, "--topology", topology, "--rule", rule, *(f"{k}={v}" for k, v in overrides.items()),
+            "--golden-dir", str(tmp_path)]
+    assert cli.main(args) == 0
+    status = cli.main(["verify", *args])
+    out = capsys.readouterr().out
+    assert status == 0 and "1 case verified, 0 failed" in out, out
+
+
+def test_explicit_mode_names_regex_placed_weights(fresh):
+    """On an Explicit mesh the harness places a ModelProgram's weights itself (by its regexes): their
+    source is the regex, not the type it put them in."""
+    spec = REGEX[:3] + ({**REGEX[3], "shard_mode": "explicit"},)
+    layouts = layouts_of(spec)
+    assert layouts["params/transformer/h_0/feed_forward/w1/kernel"].source == "regex"
+    assert layouts["opt_state/0/mu/transformer/h_0/feed_forward/w1/kernel"].source == "regex"

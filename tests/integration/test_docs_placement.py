@@ -1,6 +1,6 @@
 """docs/program-placement.md and docs/hf-models.md: their rule files and code are the examples', and
-every command they show dumps what they say (each weight's source, the same layouts for a model and
-its module)."""
+every command they show dumps what they say (each weight's source; a model and its module are one
+program)."""
 
 from __future__ import annotations
 
@@ -59,11 +59,18 @@ def test_hf_page_code_and_rules_are_the_examples(monkeypatch):
                                  if not line.startswith("#")]
 
 
-def test_hf_page_commands_give_the_same_layouts(monkeypatch):
+def test_hf_page_commands_are_one_program(monkeypatch):
+    """The held model and its module are the same program (module, call): the same layouts
+    (tests/core/test_placement.py dumps the held one)."""
     pytest.importorskip("transformers", minversion="4.57")
+    from sharding_dump.core.program import as_program
+
     monkeypatch.chdir(REPO)
-    held, module = [line for block in blocks(HF, "bash") for line in block.splitlines()]
-    layouts = [{t.path: t for t in dump.case_layouts(command_case(line))[1]} for line in (held, module)]
-    assert {p: (t.partition_spec, t.source) for p, t in layouts[0].items()} == \
-        {p: (t.partition_spec, t.source) for p, t in layouts[1].items()}
-    assert {t.source for t in layouts[0].values() if t.group == "params"} == {"regex"}
+    held, module = [command_case(line) for block in blocks(HF, "bash") for line in block.splitlines()]
+    assert (held.model, module.model) == ("examples.hf_llama:small_llama", "examples.hf_llama:small_llama_module")
+    assert held.rule == module.rule and held.overrides == module.overrides and held.topology == module.topology
+    from examples import hf_llama
+
+    programs = [as_program(factory) for factory in (hf_llama.small_llama, hf_llama.small_llama_module)]
+    assert programs[0].model == programs[1].model
+    assert (programs[0].inputs, programs[0].kwargs) == (programs[1].inputs, programs[1].kwargs)
