@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import sharding_dump as sd
 from helpers import REPO
 from sharding_dump.commands import cli
+from test_placement import PURE_JAX, T5X_TRAIN, forget_programs, fresh, make_case  # noqa: F401 (fresh: a fixture)
 
 EXPLICIT = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 AUTO = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -260,38 +261,6 @@ def test_the_activations_page_example_prints_what_it_shows(capsys, tmp_path, mon
 
 # --- the example programs of each style, placed by their own code ------------------------------------------
 
-SMALL = {"per_device_batch_size": 2, "max_target_length": 64}
-PURE_JAX = ("examples.pure_jax_llama:small_llama", "cpu-4", "examples/pure_jax_rules.yml",
-            {"ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2, "shard_mode": "explicit", **SMALL})
-T5X_TRAIN = ("examples.t5x_style:small_decoder_train", "cpu-8", "examples/t5x_rules.yml",
-             {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2, **SMALL})
-
-
-def example_case(spec: tuple):
-    from sharding_dump.zoo.case import Case
-
-    model, topology, rule, overrides = spec
-    return Case.make(model, topology, str(REPO / rule), overrides=overrides)
-
-
-def forget_programs() -> None:
-    """Forget every program built and step traced in this process: the next dump builds the edited one."""
-    from sharding_dump.zoo import dump
-
-    for cached in (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded):
-        cached.cache_clear()
-
-
-@pytest.fixture
-def fresh_programs(monkeypatch):
-    """The examples' programs built anew before and after the test (it may edit one)."""
-    monkeypatch.chdir(REPO)
-    forget_programs()
-    yield monkeypatch
-    monkeypatch.undo()
-    forget_programs()
-
-
 # forward()'s lines that place an activation, and the logical axes it gives each (examples/pure_jax_llama.py)
 PURE_JAX_SITES = {"reshard-forward-L3": ("batch", "sequence", "act_embed"),  # the embedding gather
                   **{f"dot_general-forward-L{n}": ("batch", "sequence", "act_heads", None) for n in (8, 9, 10)},
@@ -302,13 +271,13 @@ PURE_JAX_SITES = {"reshard-forward-L3": ("batch", "sequence", "act_embed"),  # t
                   "dot_general-forward-L21": ("batch", "sequence", None)}
 
 
-def test_pure_jax_llama_activations_as_its_own_rules_place_them(fresh_programs):
+def test_pure_jax_llama_activations_as_its_own_rules_place_them(fresh):
     """Every `out_sharding=` of the pure-JAX Llama's forward, forward and backward, with the spec its
     own ShardingRules give, and the batch it reshards in its step."""
     from examples import pure_jax_llama as pj
     from sharding_dump.zoo.dump import dump_case
 
-    acts = dump_case(example_case(PURE_JAX))["activation_shardings.json"]["tensors"]
+    acts = dump_case(make_case(PURE_JAX))["activation_shardings.json"]["tensors"]
     own = {f"{p}/{site}": [e for e in pj.spec(pj.RULES, *axes)] for site, axes in PURE_JAX_SITES.items()
            for p in ("forward", "backward")}
     assert {key: acts[key]["partition_spec"] for key in own} == own
@@ -316,16 +285,16 @@ def test_pure_jax_llama_activations_as_its_own_rules_place_them(fresh_programs):
     assert len(acts) == len(own) + 4  # and the batch fields as the harness places them (inputs, targets)
 
 
-def test_pure_jax_llama_activation_rule_edit_fails_its_golden(fresh_programs, tmp_path):
+def test_pure_jax_llama_activation_rule_edit_fails_its_golden(fresh, tmp_path):
     """The program's own rule for `act_mlp` moved: its golden fails, naming the gate and up activations."""
     from examples import pure_jax_llama as pj
     from sharding_dump.golden.engine import check_or_update_folder
     from sharding_dump.zoo.dump import render_case
 
-    case = example_case(PURE_JAX)
+    case = make_case(PURE_JAX)
     folder = tmp_path / "golden"
     assert check_or_update_folder(folder, render_case(case), update=True).status == "written"
-    fresh_programs.setattr(pj, "RULES", pj.dataclasses.replace(pj.RULES, act_mlp=None))
+    fresh.setattr(pj, "RULES", pj.dataclasses.replace(pj.RULES, act_mlp=None))
     forget_programs()
     outcome = check_or_update_folder(folder, render_case(case), update=False)
     assert outcome.status == "differs"
@@ -334,12 +303,12 @@ def test_pure_jax_llama_activation_rule_edit_fails_its_golden(fresh_programs, tm
     assert "dot_general-forward-L18" not in outcome.report and "named_shardings.json" not in outcome.report
 
 
-def test_t5x_style_records_its_activation_constraints_and_no_weight_read(fresh_programs):
+def test_t5x_style_records_its_activation_constraints_and_no_weight_read(fresh):
     """t5x's API: `param_with_axes` constrains every weight where it is read; none of those is an entry.
     The activations keep the logical axes the model writes, under each layer's module path."""
     from sharding_dump.zoo.dump import dump_case
 
-    acts = dump_case(example_case(T5X_TRAIN))["activation_shardings.json"]["tensors"]
+    acts = dump_case(make_case(T5X_TRAIN))["activation_shardings.json"]["tensors"]
     layers = [f"{p}/layers_{i}/batch.length.{a}" for p in ("forward", "backward") for i in (0, 1) for a in ("embed", "mlp")]
     batch = [f"forward/{field}" for field in ("inputs", "targets")]
     assert sorted(acts) == sorted(layers + batch + ["forward/batch.length.embed", "backward/batch.length.embed"])
