@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import sharding_dump as sd
 from helpers import REPO
 from sharding_dump.commands import cli
+from test_placement import PURE_JAX, T5X_TRAIN, forget_programs, fresh, make_case  # noqa: F401 (fresh: a fixture)
 
 EXPLICIT = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 AUTO = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -256,3 +257,59 @@ def test_the_activations_page_example_prints_what_it_shows(capsys, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(tmp_path / "example.py"))
     assert capsys.readouterr().out == shown
+
+
+# --- the example programs of each style, placed by their own code ------------------------------------------
+
+# forward()'s lines that place an activation, and the logical axes it gives each (examples/pure_jax_llama.py)
+PURE_JAX_SITES = {"reshard-forward-L3": ("batch", "sequence", "act_embed"),  # the embedding gather
+                  **{f"dot_general-forward-L{n}": ("batch", "sequence", "act_heads", None) for n in (8, 9, 10)},
+                  "dot_general-forward-L14": ("batch", "sequence", "act_embed"),
+                  "dot_general-forward-L16": ("batch", "sequence", "act_mlp"),
+                  "dot_general-forward-L17": ("batch", "sequence", "act_mlp"),
+                  "dot_general-forward-L18": ("batch", "sequence", "act_embed"),
+                  "dot_general-forward-L21": ("batch", "sequence", None)}
+
+
+def test_pure_jax_llama_activations_as_its_own_rules_place_them(fresh):
+    """Every `out_sharding=` of the pure-JAX Llama's forward, forward and backward, with the spec its
+    own ShardingRules give, and the batch it reshards in its step."""
+    from examples import pure_jax_llama as pj
+    from sharding_dump.zoo.dump import dump_case
+
+    acts = dump_case(make_case(PURE_JAX))["activation_shardings.json"]["tensors"]
+    own = {f"{p}/{site}": [e for e in pj.spec(pj.RULES, *axes)] for site, axes in PURE_JAX_SITES.items()
+           for p in ("forward", "backward")}
+    assert {key: acts[key]["partition_spec"] for key in own} == own
+    assert {"forward/reshard-program._locals_.train_step-L1", "forward/reshard-program._locals_.train_step-L2"} <= set(acts)
+    assert len(acts) == len(own) + 4  # and the batch fields as the harness places them (inputs, targets)
+
+
+def test_pure_jax_llama_activation_rule_edit_fails_its_golden(fresh, tmp_path):
+    """The program's own rule for `act_mlp` moved: its golden fails, naming the gate and up activations."""
+    from examples import pure_jax_llama as pj
+    from sharding_dump.golden.engine import check_or_update_folder
+    from sharding_dump.zoo.dump import render_case
+
+    case = make_case(PURE_JAX)
+    folder = tmp_path / "golden"
+    assert check_or_update_folder(folder, render_case(case), update=True).status == "written"
+    fresh.setattr(pj, "RULES", pj.dataclasses.replace(pj.RULES, act_mlp=None))
+    forget_programs()
+    outcome = check_or_update_folder(folder, render_case(case), update=False)
+    assert outcome.status == "differs"
+    assert "forward/dot_general-forward-L16  (and backward)" in outcome.report
+    assert "forward/dot_general-forward-L17  (and backward)" in outcome.report
+    assert "dot_general-forward-L18" not in outcome.report and "named_shardings.json" not in outcome.report
+
+
+def test_t5x_style_records_its_activation_constraints_and_no_weight_read(fresh):
+    """t5x's API: `param_with_axes` constrains every weight where it is read; none of those is an entry.
+    The activations keep the logical axes the model writes, under each layer's module path."""
+    from sharding_dump.zoo.dump import dump_case
+
+    acts = dump_case(make_case(T5X_TRAIN))["activation_shardings.json"]["tensors"]
+    layers = [f"{p}/layers_{i}/batch.length.{a}" for p in ("forward", "backward") for i in (0, 1) for a in ("embed", "mlp")]
+    batch = [f"forward/{field}" for field in ("inputs", "targets")]
+    assert sorted(acts) == sorted(layers + batch + ["forward/batch.length.embed", "backward/batch.length.embed"])
+    assert all(entry["logical_axes"][0] == "batch" for entry in acts.values())
