@@ -13,6 +13,7 @@ import json
 import pytest
 
 from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
+from sharding_dump.commands.cli import main
 from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import cards, state
 
@@ -138,3 +139,30 @@ def test_qwen3_next_attention_output_has_maxtexts_three_names():
     outs = [entry for key, entry in tensors.items() if key.endswith("/attention/attention/attention_out")]
     assert outs and all(entry["logical_axes"] == ["activation_batch", "activation_length", "activation_embed"]
                         for entry in outs), outs
+
+
+PIPELINE_REFERENCE = REPO / "tests" / "data" / "maxtext" / "pipelines"
+
+
+# MaxText's own dumps of pipelines whose unit is a scanned block, with the one setting each case adds.
+PIPELINES = {"gemma4-31b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2": "ici_pipeline_parallelism=2",
+             "olmo3-32b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=4": "ici_pipeline_parallelism=4"}
+
+
+def test_every_pipeline_reference_is_compared():
+    found = {str(p.parent.relative_to(PIPELINE_REFERENCE)) for p in PIPELINE_REFERENCE.rglob("named_shardings.json")}
+    assert found == set(PIPELINES)
+
+
+@pytest.mark.parametrize("case", sweep_beyond_first(sorted(PIPELINES)))
+def test_pipeline_of_scan_blocks_matches_maxtexts_dump(case, tmp_path):
+    """gemma4-31b: 60 blocks of 6 layers in 2 stages x 30 repeats; olmo3-32b: 64 blocks of 4 in 4 x 16.
+    Every (shape, partition spec) and every logical-axes list cancels against MaxText's dump of the case
+    (leaf paths differ: MaxText's `pipeline_module`, so they are not matched by path)."""
+    model, topology = case.split("/")[:2]
+    assert main(["--model", model, "--topology", topology, "--rule", "default", PIPELINES[case],
+                 "--golden-dir", str(tmp_path)]) == 0
+    _, report = compare_maxtext()(PIPELINE_REFERENCE / case, tmp_path / case)
+    heads = [line for line in report.splitlines() if line.startswith(("named_shardings", "logical_shardings"))]
+    assert len(heads) == 2 and all(", 0 differ," in h and h.endswith("remainder 0 + 0") for h in heads), report
+    assert "mesh differs" not in report, report
