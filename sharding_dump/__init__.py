@@ -19,7 +19,7 @@ Pieces, for your own step or state:
 * :class:`Case` and :func:`load_matrix`: a case of the built-in zoo (or of your factory) for the
   `sharding_golden` pytest fixture.
 
-Everything else (the zoo's settings, meshes, rules, the commands) is internal: see the README's Layout.
+Everything else (the zoo's settings, meshes, rules, the commands) is internal: see the docs' Layout page (docs/maintainers/layout.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.2.0"
+DISTRIBUTION = "sharding-dump"
 
 _EXPORTS = {
     "abstract_train_state": "sharding_dump.core.state",
@@ -65,6 +65,15 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # written once, in pyproject.toml: read from the installed metadata on first use
+        from importlib import metadata
+
+        try:
+            value = metadata.version(DISTRIBUTION)
+        except metadata.PackageNotFoundError:  # a checkout on sys.path that was never installed
+            value = "unknown"
+        globals()[name] = value
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'sharding_dump' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from sharding_dump import models
 from sharding_dump.commands import options, tables
+from sharding_dump.core import specs
 from sharding_dump.core.layout import TensorLayout, indivisible, leaves, per_device_totals
 from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
@@ -144,9 +145,18 @@ def rule_text(rule_set: rules.RuleSet, index: int) -> str:
     return f"{where}  [{name}, {_axes_text(axes)}]"
 
 
+# How a leaf whose spec did not come from a linen or NNX box was placed (core.placement.SOURCES).
+SOURCE_TEXT = {"type": "placed by the program itself: the sharding in the type of its init's output",
+               "params_axes": "placed by its params_axes names (flax.linen.partitioning) under the logical rules",
+               "regex": "placed by a partition rule (path regex)"}
+
+
 def dimension_rules(rule_set: rules.RuleSet, layout: TensorLayout) -> list[str]:
-    """For every named dimension of a tensor, the rule that decided it (or that none did)."""
-    out = []
+    """Where a tensor's spec came from when not from a box, then for every named dimension the rule
+    that decided it (or that none did)."""
+    out = [f"  {SOURCE_TEXT[layout.source]}"] if layout.source in SOURCE_TEXT else []
+    if layout.source == "type":
+        return out + [f"  spec {specs.spec_to_json(layout.partition_spec, len(layout.shape))}"]
     for dim, name in enumerate(layout.logical_axes):
         if name is None:
             continue
@@ -228,7 +238,7 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
     rule_set = setup.rule_set
     by_path = {t.path: t for t in layouts}
     findings = []
-    unplaced = rules.unplaced_parameters(rule_set, _leaves(layouts))
+    unplaced = rules.unplaced_parameters(rule_set, _leaves(layouts), {t.path for t in layouts if t.source == "type"})
     if unplaced:
         ordered = sorted(unplaced, key=lambda p: (-_global_bytes(by_path[p]), p))
         listed = [(by_path[p], _global_bytes(by_path[p]), "") for p in ordered[:TOP_TENSORS]]
@@ -242,6 +252,11 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
         findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
                                 f"matches no parameter path of model {setup.case.model_ref.label} (a typo?)",
                                 (f"rule: {rule.where}",)))
+    for rule, first, path in rules.shadowed_partition_rules(rule_set, _leaves(layouts)):
+        findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
+                                f"places nothing: every parameter path it matches is matched first by partition "
+                                f"rule {first.pattern!r} (first match wins), e.g. {path}",
+                                (f"rule: {rule.where}", f"shadowed by: {first.where}")))
     for path, count, rank in rules.rank_mismatches(_leaves(layouts)):
         findings.append(Finding("rank", path, f"{count} logical axes for a tensor of rank {rank}: "
                                 + ("the extra names are dropped" if count > rank else

@@ -1,8 +1,8 @@
 """What changed between two golden documents, per tensor, in a form a reviewer reads at a glance.
 
-deepdiff finds the differences; this module only groups them by tensor and field and prints the
-whole old and new value of each changed field (a partition spec is read as a whole, not as the one
-list item deepdiff points at). Entries that only mirror another one are folded under it: optimizer
+A document is two levels deep (tensor -> field -> value; header key -> value or a mapping of them),
+so the differences are found by comparing those two levels: each changed field is shown with its
+whole old and new value (a partition spec is read as a whole). Entries that only mirror another one are folded under it: optimizer
 slots under their parameter, a backward activation under its forward one, when they changed alike.
 
 >>> old = {"kind": "named", "tensors": {"params/w": {"shape": [8], "partition_spec": ["fsdp"]}}}
@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, Container, Mapping
-
-if TYPE_CHECKING:  # imported on the first difference: equal documents never need it (it loads numpy)
-    from deepdiff import DeepDiff
+from typing import Any, Container, Iterator, Mapping
 
 MAX_TENSORS = 60  # per file in one report; the rest is counted
 
@@ -39,43 +36,42 @@ class DocumentDiff:
         return bool(self.header or self.changed or self.added or self.removed)
 
 
-def _top_keys(tree: DeepDiff) -> list[list[Any]]:
-    paths = []
-    for levels in tree.values():
-        for level in levels:
-            paths.append(level.path(output_format="list"))
-    return paths
+def _same(old: Any, new: Any) -> bool:
+    """Equal as JSON: 1 and 1.0, or true and 1, which Python calls equal, are a difference here."""
+    return old == new and compact(old) == compact(new)
 
 
-def _deepdiff(old: Any, new: Any) -> DeepDiff:
-    # threshold_to_diff_deeper=0: always report per key. By default deepdiff reports two mappings
-    # that share under a third of their keys as one changed value, which names no tensor.
-    from deepdiff import DeepDiff
-
-    return DeepDiff(old, new, view="tree", threshold_to_diff_deeper=0)
+def _differing(old: Mapping[str, Any], new: Mapping[str, Any]) -> Iterator[str]:
+    """The keys of either mapping whose values differ, one only holds included."""
+    missing = object()
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key, missing), new.get(key, missing)
+        if a is missing or b is missing or not _same(a, b):
+            yield key
 
 
 def diff_documents(old: Mapping[str, Any], new: Mapping[str, Any]) -> DocumentDiff:
-    """Groups deepdiff's findings by tensor and field (and header field)."""
+    """Groups the differences by tensor and field (and header field, `a.b` inside a header mapping)."""
     out = DocumentDiff(kind=str(new.get("kind", old.get("kind", ""))))
     old_t, new_t = old.get("tensors", {}), new.get("tensors", {})
-    for path in _top_keys(_deepdiff(old_t, new_t)):
-        name = path[0]
+    for name in _differing(old_t, new_t):
         if name not in old_t:
             out.added[name] = new_t[name]
         elif name not in new_t:
             out.removed[name] = old_t[name]
+        elif isinstance(old_t[name], Mapping) and isinstance(new_t[name], Mapping):
+            out.changed[name] = {field: (old_t[name].get(field), new_t[name].get(field))
+                                 for field in _differing(old_t[name], new_t[name])}
         else:
-            field = path[1] if len(path) > 1 else "(entry)"
-            if field == "(entry)":
-                out.changed.setdefault(name, {})[field] = (old_t[name], new_t[name])
-            else:
-                out.changed.setdefault(name, {})[field] = (old_t[name].get(field), new_t[name].get(field))
+            out.changed[name] = {"(entry)": (old_t[name], new_t[name])}
     old_h = {k: v for k, v in old.items() if k != "tensors"}
     new_h = {k: v for k, v in new.items() if k != "tensors"}
-    for path in _top_keys(_deepdiff(old_h, new_h)):
-        key = path[0] if len(path) == 1 else f"{path[0]}.{path[1]}"
-        out.header[key] = (_get(old_h, path[:2]), _get(new_h, path[:2]))
+    for key in _differing(old_h, new_h):
+        if isinstance(old_h.get(key), Mapping) and isinstance(new_h.get(key), Mapping):
+            for sub in _differing(old_h[key], new_h[key]):
+                out.header[f"{key}.{sub}"] = (_get(old_h, [key, sub]), _get(new_h, [key, sub]))
+        else:
+            out.header[key] = (_get(old_h, [key]), _get(new_h, [key]))
     return out
 
 

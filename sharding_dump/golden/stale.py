@@ -73,5 +73,5 @@ def report(paths: list[Path]) -> str:
     lines = [f"{len(paths)} golden path{'' if len(paths) == 1 else 's'} that no case produces (stale):"]
     lines += [f"    {display(p)}{'/' if p.is_dir() else ''}" for p in paths]
     lines += ["A case was renamed or dropped from the case matrix, or a folder was added by hand.",
-              "Remove them with:", "    pytest --update-goldens"]
+              "Remove them with:", "    pytest --sharding-update"]
     return "\n".join(lines)

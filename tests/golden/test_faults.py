@@ -5,7 +5,7 @@ The kill comes from the SHARDING_DUMP_FAULT_AT=N test hook (SIGKILL at the N-th 
 write: after the temp folder is made, after each file, after the swap), so every point between two
 steps is hit, including between the files of one case. The library is killed at every point (with
 the one-step swap and with the two-rename fallback); `sharding-dump --all` and
-`pytest --update-goldens` are killed as whole processes, on two cases of the matrix (so that their
+`pytest --sharding-update` are killed as whole processes, on two cases of the matrix (so that their
 new bytes are the committed goldens, which the golden tests hold to a fresh dump).
 """
 
@@ -108,13 +108,8 @@ def pytest_project(tmp_path: Path) -> Path:
     project = tmp_path / "project"
     project.mkdir()
     (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "conftest.py").write_text(textwrap.dedent("""\
-        import importlib.metadata
-
-        if not any(ep.value.split(":")[0] == "sharding_dump.pytest_plugin"
-                   for ep in importlib.metadata.entry_points(group="pytest11")):
-            pytest_plugins = ["sharding_dump.pytest_plugin"]
-    """))
+    # loads the plugin when the checkout is not installed; a no-op beside the entry point
+    (project / "conftest.py").write_text('pytest_plugins = ["sharding_dump.pytest_plugin"]\n')
     (project / "test_cases.py").write_text(textwrap.dedent(f"""\
         import pytest
         from sharding_dump.zoo.case import Case
@@ -147,7 +142,7 @@ def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path, 
     plant_old(project / "golden")
     env = {**os.environ, "PYTHONPATH": str(REPO), store.FAULT_ENV: "4"}
     runs[project / "golden"] = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--update-goldens"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--sharding-update"],
         cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # The next run writes the bytes the cases render to without tracing them again here: what it
     # recovers from a kill is the store's doing, whatever made the bytes.

@@ -1,5 +1,5 @@
 """Stale goldens: reported with their paths, failing the run the same way with and without
-pytest-xdist, and removed (by one process) under --update-goldens."""
+pytest-xdist, and removed (by one process) under --sharding-update."""
 
 import re
 import textwrap
@@ -50,7 +50,7 @@ def run_pytest(pytester, *args):
 
 def failure_block(output):
     """The stale report as pytest printed it (from the count line to the fix)."""
-    match = re.search(r"^\d+ golden paths? that no case produces.*?^    pytest --update-goldens$", output, re.M | re.S)
+    match = re.search(r"^\d+ golden paths? that no case produces.*?^    pytest --sharding-update$", output, re.M | re.S)
     return match.group(0) if match else None
 
 
@@ -67,7 +67,7 @@ def test_stale_report_is_the_same_with_and_without_xdist_and_update_removes(pyte
     assert "FAILED test_tree.py::test_no_stale_goldens" in parallel
     assert "1 failed, 4 passed" in serial and "1 failed, 4 passed" in parallel
 
-    updated_status, updated = run_pytest(pytester, "-n", "2", "--update-goldens")
+    updated_status, updated = run_pytest(pytester, "-n", "2", "--sharding-update")
     assert updated_status == 0, updated
     # what the worker did reaches the controller's summary line
     assert "sharding-dump goldens: 0 updated, 0 created, 0 unchanged, 3 deleted" in updated

@@ -1,7 +1,7 @@
 """Adopting sharding-dump in another repository: a folder holding only a pyproject.toml with
 [tool.sharding-dump], a rule file with mesh axes of its own naming and a case file. Plain `pytest`
 (the plugin by its entry point, no conftest, no test file) runs one test per case; a missing golden
-fails with the command that writes it where the project keeps its goldens; --update-goldens creates
+fails with the command that writes it where the project keeps its goldens; --sharding-update creates
 them and says so; a one-line rule change fails exactly the cases that use the rule, naming tensors.
 
 pytest runs in this process (pytester), so the cases share one traced model.
@@ -78,7 +78,7 @@ def test_pyproject_alone_is_a_test_suite(project: pytest.Pytester, capsys: pytes
     assert "sharding/goldens/" + TP_CASE in capsys.readouterr().out
     assert (project.path / "sharding/goldens" / TP_CASE / "named_shardings.json").is_file()
 
-    updated = run(project, "--update-goldens")
+    updated = run(project, "--sharding-update")
     updated.assert_outcomes(passed=3)
     updated.stdout.fnmatch_lines(["sharding-dump goldens: 0 updated, 1 created, 1 unchanged, 0 deleted"])
     run(project).assert_outcomes(passed=3)
@@ -178,3 +178,32 @@ def test_paths_in_two_projects_are_one_line(project: pytest.Pytester) -> None:
     assert ("sharding-dump: error: the paths given are in 2 projects with [tool.sharding-dump] "
             f"({project.path}/other/pyproject.toml, {project.path}/pyproject.toml): run one project per pytest run"
             ) in result.stderr.str()
+
+
+def test_the_plugin_is_named_sharding_dump_and_its_options_are_namespaced(project: pytest.Pytester) -> None:
+    """Every command-line option of the plugin is --sharding-*, so it starts beside plugins that name
+    theirs plainly (pytest-golden's --update-goldens, a dev extra); the entry point is `sharding_dump`,
+    so `-p no:sharding_dump` turns the plugin off, and an old `pytest_plugins` line naming the module
+    is a no-op, not a second registration."""
+    ours = pytester_help_section(project.runpytest("--help", "-p", "no:cacheprovider").stdout.lines)
+    assert ours and all(option.startswith("--sharding-") for option in ours), ours
+    assert {"--sharding-update", "--sharding-verify"} <= set(ours)
+
+    golden_ids = [f"pyproject.toml::{TP_CASE}", f"pyproject.toml::{DP_CASE}", "pyproject.toml::no stale goldens"]
+    assert collected(project.runpytest("--collect-only", "-q", "-p", "no:cacheprovider")) == golden_ids
+    off = project.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:sharding_dump")
+    assert off.ret == pytest.ExitCode.NO_TESTS_COLLECTED and collected(off) == []
+    assert project.runpytest("-p", "no:sharding_dump", "--sharding-update").ret == pytest.ExitCode.USAGE_ERROR
+
+    (project.path / "conftest.py").write_text('pytest_plugins = ["sharding_dump.pytest_plugin"]\n')
+    assert collected(project.runpytest("--collect-only", "-q", "-p", "no:cacheprovider")) == golden_ids
+    pytest.importorskip("pytest_golden")  # the dev extra installs it
+    beside = project.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", "--update-goldens")
+    assert beside.ret == pytest.ExitCode.OK and collected(beside) == golden_ids
+
+
+def pytester_help_section(lines: list[str]) -> list[str]:
+    """The options `pytest --help` lists under the plugin's group, `sharding-dump:`."""
+    start = lines.index("sharding-dump:") + 1
+    section = lines[start:next((i for i in range(start, len(lines)) if not lines[i].startswith(" ")), len(lines))]
+    return [line.split()[0].rstrip(",") for line in section if line.startswith("  -")]

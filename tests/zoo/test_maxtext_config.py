@@ -152,12 +152,12 @@ def test_layout_relevant_unsupported_key_is_one_line_naming_it(tmp_path, capsys,
     assert not out.exists()
 
 
-def test_readme_shows_the_refusal_as_printed(tmp_path, capsys):
-    shown = next(line for line in (REPO / "README.md").read_text().splitlines()
+def test_docs_show_the_refusal_as_printed(tmp_path, capsys):
+    shown = next(line for line in (REPO / "docs/maxtext/run-configuration.md").read_text().splitlines()
                  if line.startswith("sharding-dump: error: the command line: quantization"))
     assert cli.main(["--maxtext-config", str(RUN), "quantization=int8", "--golden-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == shown + "\n"
-    assert len(base_keys()) == 696  # the count the README gives
+    assert len(base_keys()) == 696  # the count docs/maxtext/run-configuration.md gives
 
 
 def test_refused_key_in_the_run_file_names_the_file(tmp_path, capsys):

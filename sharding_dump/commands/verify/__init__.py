@@ -18,6 +18,10 @@ jax starts, and reports per case:
   count and per-device bytes, loop bodies multiplied by their trip counts;
 - that the compiled state shardings equal the golden's, leaf for leaf (a failure otherwise).
 
+With `-j N`, N cases compile at once, each in its own child process (the compiles are CPU-bound and
+single cases rarely fill a machine); the report lists the cases in their order whatever order they
+finish in, so it is the same for any N.
+
 With `--record`, the compiled figures are written beside the case's golden as
 `compiled_<backend>_jax-<version>.json`; a later run on the same backend and jax version compares
 with them (a failure when they differ, like a golden). Other backends' files are left alone.
@@ -27,6 +31,7 @@ with them (a failure when they differ, like a golden). Other backends' files are
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import sys
 
 from sharding_dump.commands import options
@@ -43,6 +48,7 @@ from sharding_dump.commands.verify.settings import (
     default_threshold,
     parse_size,
 )
+from sharding_dump.errors import BadInput
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,11 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpu", action="store_true",
                         help="compile ahead of time for the case's real TPU topology (needs libtpu: "
                              "pip install 'sharding-dump[tpu]'; no TPU needed)")
+    parser.add_argument("-j", "--jobs", type=options.whole_number, default=1, metavar="N",
+                        help="compile N cases at once, each in a process of its own (default 1; the report "
+                             "keeps the cases' order)")
     options.add_settings_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every case is clean, 1 on any failure."""
+    if args.jobs < 1:
+        raise BadInput(f"-j {args.jobs}: give the number of cases to compile at once, 1 or more")
     threshold = default_threshold() if args.replicated_threshold is None else parse_size(args.replicated_threshold)
     project = options.project_of(args)
     cases = options.cases_of(args, "verifies", project)
@@ -73,15 +84,17 @@ def run(args: argparse.Namespace) -> int:
     for case in cases:  # an unreadable golden is bad input before any compile
         golden_specs(case, settings.golden_dir)
     results = []
-    for index, case in enumerate(cases, 1):
-        result = verify_case(case, settings)
-        results.append(result)
-        prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
-        if args.format == "text":
-            print(prefix + render_case(result, "text") + "\n", flush=True)
-        else:  # stdout is the report to paste or parse; progress goes to stderr
-            status = "FAILED" if result.failures else "ok"
-            print(f"{prefix}{result.label}: {status} ({result.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
+    # Threads only wait: each compile runs in a child process of its own. map() yields in the cases'
+    # order, so each case is reported as soon as it and every case before it are done.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(args.jobs, len(cases)) or 1) as pool:
+        for index, result in enumerate(pool.map(lambda case: verify_case(case, settings), cases), 1):
+            results.append(result)
+            prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
+            if args.format == "text":
+                print(prefix + render_case(result, "text") + "\n", flush=True)
+            else:  # stdout is the report to paste or parse; progress goes to stderr
+                status = "FAILED" if result.failures else "ok"
+                print(f"{prefix}{result.label}: {status} ({result.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
     if args.format == "text":
         failed = sum(1 for r in results if r.failures)
         print(f"{len(results)} case{'s' * (len(results) != 1)} verified, {failed} failed")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from pathlib import Path
 from typing import Any
 
+from sharding_dump.commands import tables
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, load_yaml
 
@@ -47,16 +47,9 @@ def stack_axes() -> tuple[str, ...]:
     return tuple(axes)
 
 
-_UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
 def parse_size(text: str, what: str = "--replicated-threshold") -> int:
-    """`256MiB`, `1.5 GiB`, `1000000` -> bytes; BadInput on anything else."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2) not in _UNITS:
-        raise BadInput(f"{what} {text!r}: give a size such as 256MiB, 1.5GiB or a number of bytes "
-                       f"(units: {', '.join(u for u in _UNITS if u)})")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    """`256MiB`, `1.5 GiB`, `1000000` -> bytes (:func:`sharding_dump.commands.tables.parse_bytes`)."""
+    return tables.parse_bytes(text, what)
 
 
 @functools.cache
