@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
+from sharding_dump.commands.cli import main
 from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import cards, state
 
@@ -83,3 +84,28 @@ def test_qwen3_next_attention_output_has_maxtexts_three_names():
     outs = [entry for key, entry in tensors.items() if key.endswith("/attention/attention/attention_out")]
     assert outs and all(entry["logical_axes"] == ["activation_batch", "activation_length", "activation_embed"]
                         for entry in outs), outs
+
+
+PIPELINE_REFERENCE = REPO / "tests" / "data" / "maxtext-scan-block-pipelines"
+
+
+# MaxText's own dumps of pipelines whose unit is a scanned block, with the one setting each case adds.
+PIPELINES = {"gemma4-31b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2": "ici_pipeline_parallelism=2",
+             "olmo3-32b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=4": "ici_pipeline_parallelism=4"}
+
+
+def test_every_pipeline_reference_is_compared():
+    found = {str(p.parent.relative_to(PIPELINE_REFERENCE)) for p in PIPELINE_REFERENCE.rglob("named_shardings.json")}
+    assert found == set(PIPELINES)
+
+
+@pytest.mark.parametrize("case", sweep_beyond_first(sorted(PIPELINES)))
+def test_pipeline_of_scan_blocks_matches_maxtexts_dump(case, tmp_path):
+    """gemma4-31b: 60 blocks of 6 layers in 2 stages x 30 repeats; olmo3-32b: 64 blocks of 4 in 4 x 16.
+    MaxText's dump of the case and ours name the same leaves, with the same shape, partition spec and
+    logical axes."""
+    model, topology = case.split("/")[:2]
+    assert main(["--model", model, "--topology", topology, "--rule", "default", PIPELINES[case],
+                 "--golden-dir", str(tmp_path)]) == 0
+    ok, report = compare_maxtext()(PIPELINE_REFERENCE / case, tmp_path / case)
+    assert ok, report
