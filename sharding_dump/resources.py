@@ -1,8 +1,8 @@
 """Where the package's data files live, and how they are read.
 
 Every YAML file goes through :func:`load_yaml` (a safe loader, errors as one-line BadInput naming the
-file); every JSON Schema through :func:`schema_validator`, with :func:`is_valid` as the fast path (a
-compiled validator; jsonschema then only explains what it refuses).
+file); every JSON Schema through :func:`schema_validator` (jsonschema, the schemas' own draft 2020-12,
+`$ref` between them resolved by their `$id`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from sharding_dump.errors import BadInput, os_error, shown
 
-if TYPE_CHECKING:  # jsonschema is imported when a document fails the fast check, or a validator is asked for
+if TYPE_CHECKING:  # jsonschema is imported when a validator is first asked for
     import jsonschema
     import referencing
 
@@ -226,62 +226,8 @@ def _schema_registry() -> referencing.Registry:
         (schema_id, referencing.Resource.from_contents(schema)) for schema_id, schema in _schemas().items())
 
 
-def _inlined(node: Any, base: str) -> Any:
-    """A schema with every `$ref` (to another file's or its own `$defs`) replaced by what it names."""
-    if isinstance(node, list):
-        return [_inlined(item, base) for item in node]
-    if not isinstance(node, dict):
-        return node
-    if "$ref" in node:
-        target, _, pointer = node["$ref"].partition("#")
-        schema_id = base if not target else base.rpartition("/")[0] + "/" + target
-        found: Any = _schemas()[schema_id]
-        for part in pointer.strip("/").split("/") if pointer.strip("/") else ():
-            found = found[part]
-        return _inlined(found, schema_id)
-    return {key: _inlined(value, base) for key, value in node.items() if key not in ("$id", "$schema", "$defs")}
-
-
-# JSON Schema 2020-12 keywords the compiled validator (draft 7) does not know, and would let pass.
-_NEWER_KEYWORDS = ("unevaluatedItems", "unevaluatedProperties", "dependentSchemas", "$dynamicRef",
-                   "$dynamicAnchor", "minContains", "maxContains")
-
-
-def _draft7(node: Any) -> Any:
-    """2020-12's tuple form (`prefixItems`, then `items` for the rest) in draft 7's words (`items` as
-    a list, then `additionalItems`), and `dependentRequired` as draft 7's `dependencies`, so the
-    compiled validator checks tuples and co-required fields too."""
-    if isinstance(node, list):
-        return [_draft7(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = {key: _draft7(value) for key, value in node.items()}
-    if "prefixItems" in node:
-        rest = node.pop("items", None)
-        node["items"] = node.pop("prefixItems")
-        if rest is not None:
-            node["additionalItems"] = rest
-    if "dependentRequired" in node:
-        node["dependencies"] = node.pop("dependentRequired")
-    return node
-
-
-@functools.cache
-def _compiled(name: str) -> Callable[[Any], Any] | None:
-    """The compiled validator of a schema, None for one that needs a 2020-12 keyword it cannot read."""
-    import fastjsonschema
-
-    schema_id = f"sharding-dump/{name}.schema.json"
-    schema = _draft7(_inlined(_schemas()[schema_id], schema_id))
-    if any(f'"{keyword}"' in json.dumps(schema) for keyword in _NEWER_KEYWORDS):
-        return None
-    return fastjsonschema.compile(schema, use_formats=False)
-
-
 def is_valid(instance: Any, schema_name: str) -> bool:
-    """Whether `instance` passes `data/schemas/<schema_name>.schema.json`, by a compiled validator (a
-    golden of a large model has thousands of entries: jsonschema takes about 6 times longer); a schema
-    with a keyword that validator does not know goes to jsonschema.
+    """Whether `instance` passes `data/schemas/<schema_name>.schema.json`.
 
     >>> is_valid({"format_version": 1, "kind": "logical", "mesh": {"axis_names": ["fsdp"], "axis_sizes": [4],
     ...           "shard_mode": "auto"}, "tensors": {"params/w": {"shape": [8], "logical_axes": ["embed"]}}}, "logical")
@@ -289,16 +235,7 @@ def is_valid(instance: Any, schema_name: str) -> bool:
     >>> is_valid({"format_version": 1, "kind": "logical", "tensors": {}}, "logical")
     False
     """
-    import fastjsonschema
-
-    compiled = _compiled(schema_name)
-    if compiled is None:
-        return schema_validator(schema_name).is_valid(instance)
-    try:
-        compiled(instance)
-    except fastjsonschema.JsonSchemaException:
-        return False
-    return True
+    return schema_validator(schema_name).is_valid(instance)
 
 
 @functools.cache

@@ -21,6 +21,43 @@ from sharding_dump.zoo.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A repository adopting sharding-dump (tests/integration/test_adopt.py, test_wheel.py): [tool.sharding-dump]
+# of its pyproject.toml, two rule files with mesh axes of its own naming, and its case file.
+ADOPT_TABLE = """\
+golden-dir = "sharding/goldens"
+cases = ["sharding/cases.yml"]
+rule-dirs = ["sharding/rules"]"""
+
+# Our own mesh names: replicas of the model (data parallel) x model shards (tensor parallel).
+ADOPT_TP_RULE = """\
+mesh_axes: [replica, model]
+data_sharding: [[replica]]
+mesh_rules:
+  - {match: ".*", settings: {ici_replica_parallelism: -1}}
+logical_axis_rules:
+  - [activation_batch, replica]
+  - [activation_embed_and_logits_batch, replica]
+  - [mlp, model]
+  - [heads, model]
+  - [kv_heads, model]
+  - [vocab, model]
+"""
+ADOPT_DP_RULE = """\
+mesh_axes: [replica]
+logical_axis_rules:
+  - [activation_batch, replica]
+  - [activation_embed_and_logits_batch, replica]
+  - [embed, replica]
+"""
+# `tp` is found in the project's rule folder; `rules/dp.yml` is relative to this case file.
+ADOPT_CASES = """\
+cases:
+  - {model: qwen3-0.6b, topology: cpu-8, rule: tp, overrides: {ici_model_parallelism: 2}}
+  - {model: qwen3-0.6b, topology: cpu-8, rule: rules/dp.yml, overrides: {ici_replica_parallelism: -1}}
+"""
+ADOPT_FILES = {"sharding/rules/tp.yml": ADOPT_TP_RULE, "sharding/rules/dp.yml": ADOPT_DP_RULE,
+               "sharding/cases.yml": ADOPT_CASES}
+
 
 def sweep_beyond_first(items: Iterable[Any], kind: Callable[[Any], Hashable] = lambda _: None) -> list[Any]:
     """Parameters for a check repeated over many items: the first item of each kind runs by default,

@@ -5,7 +5,7 @@
     python tools/bench.py --cases 3  # the first three
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
-    python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, the docs site): wall time
+    python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, -m package, the docs site): wall time
 
 Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case, beside the time of
@@ -85,7 +85,8 @@ def bench_verify(cases) -> None:
         print(f"{case.label:<92} {wall:>7.1f} {float(cpu):>7.1f} {peak:>9.0f} {status:>7}", flush=True)
 
 
-SUITE_STEPS = (("default suite", []), ("compile checks", ["-m", "compile"]), ("sweeps", ["-m", "sweep"]))
+SUITE_STEPS = (("default suite", []), ("compile checks", ["-m", "compile"]), ("sweeps", ["-m", "sweep"]),
+               ("wheel", ["-m", "package"]))
 
 
 def bench_suite(workers: int) -> None:

@@ -7,7 +7,7 @@
     sharding-dump diff OLD NEW [--format text|markdown|json] [--max-chars N]
     sharding-dump check (CASE | --all [--cases FILE ...]) [--replicated-tolerance F]
     sharding-dump show CASE
-    sharding-dump verify (CASE | --all) [--format text|markdown|json] [--tpu] [--record]
+    sharding-dump verify (CASE | --all [-j N]) [--format text|markdown|json] [--tpu] [--record]
     sharding-dump --version
 
 The golden folder, the case files and extra rule and card folders come from `[tool.sharding-dump]` in

@@ -1,6 +1,8 @@
 """A MaxText run configuration as a case: `sharding-dump --maxtext-config my_run.yml --topology v5p-16`.
 
-The configuration is composed as MaxText's pyconfig composes it (MaxText e591f30):
+The configuration is composed as MaxText's pyconfig composes it (MaxText e591f30), with OmegaConf as
+MaxText does (its YAML reading, `OmegaConf.merge`, `OmegaConf.from_cli`); every file and value is
+first read through the package's YAML limits (size, nesting, no aliases, no duplicate keys):
 
 1. the file given, and the `base_config` it names, recursively (a relative name is looked up next to
    the file, then in MaxText's configs folder), each merged over its base;
@@ -30,15 +32,16 @@ import dataclasses
 import functools
 import importlib.util
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from sharding_dump.core.specs import entry_axes
-from sharding_dump.errors import BadInput, shown
-from sharding_dump.resources import DATA_DIR, load_yaml, parse_yaml, validate
+from sharding_dump.errors import BadInput, one_line, shown
+from sharding_dump.resources import DATA_DIR, YAML_MAX_BYTES, load_yaml, parse_yaml, read_text, validate
 
 if TYPE_CHECKING:  # imported when a case is made: composing a configuration needs neither jax nor flax
+    from omegaconf import DictConfig
+
     from sharding_dump.models.config import ModelConfig
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.rules import RuleSet
@@ -50,9 +53,6 @@ ENV_PREFIX = "M_"  # MaxText's environment override of a key: M_<KEY upper-cased
 DEFAULT_RULE = "default"  # MaxText's base rules (an empty custom_mesh_and_rule)
 INSTRUCT = "-Instruct"  # MaxText builds `<model>-Instruct` from `<model>`'s config
 MAX_CHAIN = 32  # base_config files one configuration may chain through
-# OmegaConf, which MaxText reads YAML with, also takes exponents without a dot or a signed exponent
-# (1e-5, 1.0e5) as floats, where plain YAML 1.1 reads strings.
-_OMEGACONF_FLOAT = re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+")
 _TRUE, _FALSE = ("y", "yes", "t", "true", "1"), ("n", "no", "f", "false", "0")  # MaxText's str2bool
 
 
@@ -169,39 +169,54 @@ def _display(path: Path) -> str:
     return display(path)
 
 
-def _omegaconf_scalars(value: Any) -> Any:
-    """Strings OmegaConf reads as floats (1e-5) as floats; lists and mappings walked."""
-    if isinstance(value, str) and _OMEGACONF_FLOAT.fullmatch(value):
-        return float(value.replace("_", ""))
-    if isinstance(value, list):
-        return [_omegaconf_scalars(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _omegaconf_scalars(v) for k, v in value.items()}
-    return value
+def _omegaconf(text: str, where: str) -> DictConfig:
+    """YAML text as OmegaConf reads it (MaxText's reader: 1e-5 is a float, where YAML 1.1 reads a
+    string), after the package's strict reader has held it to its limits; BadInput naming `where`."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-
-def _read(path: Path, what: str) -> dict[str, Any]:
-    data = load_yaml(path, what)
+    data = parse_yaml(text, f"{where}:")  # size, nesting, aliases, duplicate keys: refused here first
     if data is None:
-        return {}
+        return OmegaConf.create({})
     if not isinstance(data, dict):
-        raise BadInput(f"{what} {path}: holds a {type(data).__name__}, not a mapping of MaxText keys")
-    return _omegaconf_scalars(data)
+        raise BadInput(f"{where}: holds a {type(data).__name__}, not a mapping of MaxText keys")
+    try:
+        config = OmegaConf.create(text)
+    except (OmegaConfBaseException, ValueError) as err:
+        raise BadInput(f"{where}: {one_line(str(err))}") from None
+    assert isinstance(config, DictConfig)
+    return config
 
 
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """OmegaConf.merge of two configurations: mappings merge key by key, anything else is replaced."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+def _read(path: Path, what: str) -> DictConfig:
+    return _omegaconf(read_text(path, what, YAML_MAX_BYTES), f"{what} {path}")
+
+
+def _merge(*configs: DictConfig | Mapping[str, Any]) -> DictConfig:
+    """OmegaConf.merge, as MaxText merges: mappings key by key, anything else replaced; BadInput on
+    what OmegaConf refuses."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.merge(*configs)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise BadInput(f"MaxText configuration: {one_line(str(err))}") from None
+
+
+def _plain(config: DictConfig) -> dict[str, Any]:
+    """A configuration as plain values, interpolations resolved (MaxText's to_container(resolve=True))."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise BadInput(f"MaxText configuration: {one_line(str(err))}") from None
 
 
 def _load_chain(path: Path, configs_dir: Path | None, origins: dict[str, str], seen: tuple[Path, ...] = ()
-                ) -> dict[str, Any]:
+                ) -> DictConfig:
     """A config file merged over the `base_config` it names, recursively (MaxText's _load_config)."""
     if path.resolve() in seen:
         raise BadInput(f"MaxText config {path}: base_config chain loops back to it "
@@ -209,9 +224,10 @@ def _load_chain(path: Path, configs_dir: Path | None, origins: dict[str, str], s
     if len(seen) >= MAX_CHAIN:
         raise BadInput(f"MaxText config {path}: more than {MAX_CHAIN} files chained by base_config")
     data = _read(path, "MaxText config")
-    merged: dict[str, Any] = {}
     base = data.get(BASE_CONFIG)
-    if base is not None:
+    if base is None:
+        merged = data
+    else:
         if not isinstance(base, str) or not base:
             raise BadInput(f"MaxText config {path}: field {BASE_CONFIG}: {shown(base)} is not a file name")
         candidates = [Path(base)] if os.path.isabs(base) else [path.parent / base] + (
@@ -222,41 +238,48 @@ def _load_chain(path: Path, configs_dir: Path | None, origins: dict[str, str], s
                            + ("" if os.path.isabs(base) else
                               f" nor in MaxText's configs folder ({configs_dir})" if configs_dir else
                               " and MaxText's configs folder is unknown (set MAXTEXT_CONFIGS_DIR or install maxtext)"))
-        merged = _load_chain(found, configs_dir, origins, (*seen, path.resolve()))
+        merged = _merge(_load_chain(found, configs_dir, origins, (*seen, path.resolve())), data)
     origins.update(dict.fromkeys(data, _display(path)))
-    return _merge(merged, data)
+    return merged
 
 
-def parse_command_line(items: Sequence[str] | Mapping[str, Any], source: str = COMMAND_LINE) -> dict[str, Any]:
-    """KEY=VALUE items as OmegaConf.from_cli reads them: VALUE is YAML (`[a, b]` is a list, `1e-5` a
-    float), `a.b=1` sets key b inside a; a key given twice is refused. A mapping (a case file's
-    overrides) holds the values already.
+def parse_command_line(items: Sequence[str] | Mapping[str, Any], source: str = COMMAND_LINE) -> DictConfig:
+    """KEY=VALUE items read by OmegaConf.from_cli, as MaxText reads its command line: VALUE is YAML
+    (`[a, b]` is a list, `1e-5` a float), `a.b=1` sets key b inside a. Each VALUE is first held to the
+    package's YAML limits, and a key given twice is refused (from_cli would keep the last). A mapping
+    (a case file's overrides) holds values already: they are read again as OmegaConf reads YAML.
 
-    >>> parse_command_line(["sa_block_q=256", "mlp_activations=[gelu, linear]", "a.b=1e-5"])
+    >>> from omegaconf import OmegaConf
+    >>> OmegaConf.to_container(parse_command_line(["sa_block_q=256", "mlp_activations=[gelu, linear]", "a.b=1e-5"]))
     {'sa_block_q': 256, 'mlp_activations': ['gelu', 'linear'], 'a': {'b': 1e-05}}
     """
-    pairs = list(items.items()) if isinstance(items, Mapping) else []
-    for item in [] if isinstance(items, Mapping) else items:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(items, Mapping):
+        import yaml
+
+        return _omegaconf(yaml.safe_dump(dict(items)), source) if items else OmegaConf.create({})
+    seen: set[str] = set()
+    for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise BadInput(f"{shown(item)}: MaxText settings are written KEY=VALUE (e.g. sa_block_q=256)")
-        pairs.append((key, parse_yaml(text, f"{source}: {key}={shown(text)}:") if text else None))
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        item = f"{key}={value}"
-        value = _omegaconf_scalars(value)
-        *parents, leaf = key.split(".")
-        if not all(parents) or not leaf:
+        if text:
+            parse_yaml(text, f"{source}: {key}={shown(text)}:")
+        if not all(key.split(".")):
             raise BadInput(f"{shown(item)}: KEY is a MaxText key, or keys joined by '.'")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise BadInput(f"{shown(item)}: {part} is given a value and keys inside it")
-        if leaf in node:
-            raise BadInput(f"{source}: {shown(key)} is given twice")
-        node[leaf] = value
-    return out
+        if key in seen:
+            raise BadInput(f"{source}: {shown(key.rpartition('.')[2])} is given twice")
+        clash = next((k for k in seen if k.startswith(key + ".") or key.startswith(k + ".")), None)
+        if clash is not None:
+            outer = min(key, clash, key=len)
+            raise BadInput(f"{shown(item)}: {outer.rpartition('.')[2]} is given a value and keys inside it")
+        seen.add(key)
+    try:
+        return OmegaConf.from_cli(list(items))
+    except OmegaConfBaseException as err:
+        raise BadInput(f"{source}: {one_line(str(err))}") from None
 
 
 def _model_file(config_path: Path, model_name: str, configs_dir: Path | None) -> Path | None:
@@ -301,14 +324,18 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
     configs_dir = maxtext_configs_dir(environ)
     origins: dict[str, str] = {}
     files = _load_chain(config_path, configs_dir, origins)
-    cli = parse_command_line(command_line, source)
-    name = model_name_of(_merge(files, cli))
+    cli_config = parse_command_line(command_line, source)
+    cli = _plain(cli_config)
+    name = model_name_of(_plain(_merge(files, cli_config)))
+    model_config = None
     model: dict[str, Any] = {}
     model_path = _model_file(config_path, name, configs_dir) if name != "default" else None
     if model_path is not None:
-        model = _read(model_path, "MaxText model config")
-        if _merge(files, cli).get("override_model_config"):
+        model_config = _read(model_path, "MaxText model config")
+        model = _plain(model_config)
+        if _plain(_merge(files, cli_config)).get("override_model_config"):
             model = {k: v for k, v in model.items() if k not in cli}
+            model_config = _merge(model)
         else:
             twice = sorted(k for k in model if k in cli and cli[k] != model[k])
             if twice:
@@ -317,12 +344,14 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
                                f"override_model_config=true")
         origins.update(dict.fromkeys(model, f"model config {_display(model_path)}"))
     origins.update({key: source for key in cli})
-    rules = _merge_rules(files.get("logical_axis_rules") or [], model.get("logical_axis_rules") or [])
+    base_rules = _plain(files).get("logical_axis_rules") or []
+    rules = _merge_rules(base_rules, model.get("logical_axis_rules") or [])
     if model.get("override_logical_axis_rules"):
         rules = model.get("logical_axis_rules") or []
     rules = (cli.get("logical_axis_rules") or [] if cli.get("override_logical_axis_rules") else
              _merge_rules(rules, cli.get("logical_axis_rules") or []))
-    values = _merge(_merge(files, model), cli)
+    layers = [files] + ([model_config] if model_config is not None else []) + [cli_config]
+    values = _plain(_merge(*layers))
     if "logical_axis_rules" in values:
         values["logical_axis_rules"] = rules
     explicit = set(cli)
@@ -483,7 +512,7 @@ def _check_rule(composed: Composed, rule_set: RuleSet, configs_dir: Path | None,
     if custom:
         mesh_file = configs_dir / "custom_mesh_and_rule" / f"{custom}.yml" if configs_dir else None
         if mesh_file is not None and mesh_file.is_file():
-            data = _read(mesh_file, "MaxText custom_mesh_and_rule file")
+            data = _plain(_read(mesh_file, "MaxText custom_mesh_and_rule file"))
             for key in ("mesh_axes", "logical_axis_rules", "data_sharding"):
                 if key in data:
                     values[key] = data[key]

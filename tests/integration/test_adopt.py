@@ -14,48 +14,18 @@ import textwrap
 
 import pytest
 
+from helpers import ADOPT_CASES as CASES
+from helpers import ADOPT_FILES, ADOPT_TABLE
+from helpers import ADOPT_TP_RULE as TP_RULE
 from sharding_dump.commands import cli
 
-TABLE = """\
-golden-dir = "sharding/goldens"
-cases = ["sharding/cases.yml"]
-rule-dirs = ["sharding/rules"]"""
-
-# Our own mesh names: replicas of the model (data parallel) x model shards (tensor parallel).
-TP_RULE = """\
-mesh_axes: [replica, model]
-data_sharding: [[replica]]
-mesh_rules:
-  - {match: ".*", settings: {ici_replica_parallelism: -1}}
-logical_axis_rules:
-  - [activation_batch, replica]
-  - [activation_embed_and_logits_batch, replica]
-  - [mlp, model]
-  - [heads, model]
-  - [kv_heads, model]
-  - [vocab, model]
-"""
-DP_RULE = """\
-mesh_axes: [replica]
-logical_axis_rules:
-  - [activation_batch, replica]
-  - [activation_embed_and_logits_batch, replica]
-  - [embed, replica]
-"""
-# `tp` is found in the project's rule folder; `rules/dp.yml` is relative to this case file.
-CASES = """\
-cases:
-  - {model: qwen3-0.6b, topology: cpu-8, rule: tp, overrides: {ici_model_parallelism: 2}}
-  - {model: qwen3-0.6b, topology: cpu-8, rule: rules/dp.yml, overrides: {ici_replica_parallelism: -1}}
-"""
 TP_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_tp_ici_model_parallelism=2"
 DP_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_dp_ici_replica_parallelism=-1"
 
 
 @pytest.fixture
 def project(mini_project) -> pytest.Pytester:
-    return mini_project({"sharding/rules/tp.yml": TP_RULE, "sharding/rules/dp.yml": DP_RULE, "sharding/cases.yml": CASES},
-                        table=TABLE)
+    return mini_project(ADOPT_FILES, table=ADOPT_TABLE)
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
