@@ -20,8 +20,9 @@ from typing import Any
 # The one declaration of every card field (data files live beside the package's modules).
 CARD_SCHEMA = Path(__file__).resolve().parents[1] / "data" / "schemas" / "model-card.schema.json"
 _PYTHON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": tuple}
-# What the model is built in, set by the run (the `weight_dtype` setting), not by the card.
-NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"))
+# What the model is built in and how it runs, set by the run (the `weight_dtype` and `sparse_matmul`
+# settings), not by the card.
+NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"), ("sparse_matmul", bool, True))
 
 
 def frozen(value: Any) -> Any:

@@ -9,12 +9,17 @@ Parameters (before the layer axis is inserted at position 1 by the scan)::
     wo                 (exp, mlp_moe, embed_moe)   expert down-projection
     wi_0_bias, wi_1_bias (exp, activation_mlp); wo_bias (exp, activation_embed)   [mlp_bias]
 
-The experts run as einsums over the `exp` axis for every token (dropless, no capacity), weighted by
-a combine matrix that is zero outside each token's chosen experts: the same parameters and the same
-logical axes as a sorted/ragged dispatch, in a form `jax.eval_shape` traces in constant time.
+The run's `sparse_matmul` setting picks how tokens reach the experts, as MaxText's does: true (its
+default) the sorted dispatch of :mod:`sharding_dump.models.moe_dispatch` (tokens sorted by expert,
+grouped matmuls, a ragged all-to-all under expert parallelism); false its dense path, einsums over the
+`exp` axis for every token weighted by a combine matrix that is zero outside each token's chosen
+experts (dropless: no capacity). Both have the same parameters; the constraints each places on the
+tokens and gate logits are MaxText's for that path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -24,8 +29,12 @@ from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.dense import MlpBlock
 from sharding_dump.models.layers import activation, weight_param
+from sharding_dump.models.moe_dispatch import sorted_dispatch
 
 ROUTER_AXES = ("activation_batch", "activation_norm_length", None)
+# MaxText's dense_matmul constrains the gate logits and the tokens on its MoE activation axes.
+DENSE_LOGIT_AXES = ("activation_batch_moe", "activation_length_moe", None)
+DENSE_INPUT_AXES = ("activation_batch_moe", "activation_norm_length_moe", "activation_embed_moe")
 GPT_OSS_GLU_ALPHA = 1.702  # gpt-oss's x * sigmoid(alpha * x) gate
 
 
@@ -103,34 +112,57 @@ class RoutedExperts(nn.Module):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         experts, embed, width = cfg.num_experts, x.shape[-1], cfg.moe_mlp_dim
-        x = constrain(x, ROUTER_AXES, "inputs")
+        if cfg.sparse_matmul:
+            x = constrain(x, ROUTER_AXES, "inputs")
         logits, bias = Router(cfg, self.gate_embed_axis, name="gate")(x if gate_inputs is None else gate_inputs)
-        logits = constrain(logits.astype(dtype), ROUTER_AXES, "gate_logits")
-        weights, indices = route(cfg, logits, bias)
+        logits = constrain(logits.astype(dtype), ROUTER_AXES if cfg.sparse_matmul else DENSE_LOGIT_AXES,
+                           "gate_logits")
+        router = {} if bias is None else {"bias": bias}
         if self.expert_scale:
-            scale = weight_param(self, "per_expert_scale", (experts,), ("exp",), cfg, nn.initializers.ones)
-            weights = weights * jnp.take(scale.astype(jnp.float32), indices)
-        combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, experts, dtype=jnp.float32), weights)
+            router["scale"] = weight_param(self, "per_expert_scale", (experts,), ("exp",), cfg, nn.initializers.ones)
 
         wi_axes, wo_axes = ("exp", "embed_moe", "mlp_moe"), ("exp", "mlp_moe", "embed_moe")
-        wi_0 = weight_param(self, "wi_0", (experts, embed, width), wi_axes, cfg, expert_init())
-        wi_1 = weight_param(self, "wi_1", (experts, embed, width), wi_axes, cfg, expert_init())
-        wo = weight_param(self, "wo", (experts, width, embed), wo_axes, cfg, expert_init())
-        x = x.astype(dtype)
-        gate = jnp.einsum("bsd,edm->bsem", x, wi_0.astype(dtype))
-        up = jnp.einsum("bsd,edm->bsem", x, wi_1.astype(dtype))
+        w = {"wi_0": weight_param(self, "wi_0", (experts, embed, width), wi_axes, cfg, expert_init()),
+             "wi_1": weight_param(self, "wi_1", (experts, embed, width), wi_axes, cfg, expert_init()),
+             "wo": weight_param(self, "wo", (experts, width, embed), wo_axes, cfg, expert_init())}
         if cfg.mlp_bias:
-            zeros = nn.initializers.zeros
-            bias_axes = ("exp", "activation_mlp")
-            gate = gate + weight_param(self, "wi_0_bias", (experts, width), bias_axes, cfg, zeros).astype(dtype)
-            up = up + weight_param(self, "wi_1_bias", (experts, width), bias_axes, cfg, zeros).astype(dtype)
-        hidden = gated_unit(cfg, gate, up) * combine[..., None].astype(dtype)
-        out = jnp.einsum("bsem,emd->bsd", hidden.astype(dtype), wo.astype(dtype))
-        if cfg.mlp_bias:
-            wo_bias = weight_param(self, "wo_bias", (experts, embed), ("exp", "activation_embed"), cfg,
-                                   nn.initializers.zeros)
-            out = out + jnp.einsum("bse,ed->bsd", combine, wo_bias).astype(dtype)
-        return out
+            zeros, bias_axes = nn.initializers.zeros, ("exp", "activation_mlp")
+            w["wi_0_bias"] = weight_param(self, "wi_0_bias", (experts, width), bias_axes, cfg, zeros)
+            w["wi_1_bias"] = weight_param(self, "wi_1_bias", (experts, width), bias_axes, cfg, zeros)
+            w["wo_bias"] = weight_param(self, "wo_bias", (experts, embed), ("exp", "activation_embed"), cfg, zeros)
+        w = {name: value.astype(dtype) for name, value in w.items()}
+        choose = functools.partial(routing_weights, cfg)
+        if cfg.sparse_matmul:
+            return sorted_dispatch(experts, cfg.num_experts_per_tok, dtype, choose, functools.partial(gated_unit, cfg),
+                                   x.astype(dtype), logits, router, w)
+        return dense_experts(cfg, x.astype(dtype), logits, router, w)
+
+
+def routing_weights(cfg: ModelConfig, logits: jax.Array, router: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(weights, expert indices) of each token, the per-expert scale (Gemma 4) applied."""
+    weights, indices = route(cfg, logits, router.get("bias"))
+    if "scale" in router:
+        weights = weights * jnp.take(router["scale"].astype(jnp.float32), indices)
+    return weights, indices
+
+
+def dense_experts(cfg: ModelConfig, x: jax.Array, logits: jax.Array, router: dict[str, jax.Array],
+                  w: dict[str, jax.Array]) -> jax.Array:
+    """MaxText's `dense_matmul` without a capacity (`sparse_matmul: false`, `capacity_factor` <= 0):
+    every expert runs on every token, and each token's expert outputs (batch, length, experts, embed)
+    are summed with its routing weights, zero outside its chosen experts, in float32."""
+    dtype = x.dtype
+    weights, indices = routing_weights(cfg, logits, router)
+    combine = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(indices, cfg.num_experts, dtype=jnp.float32), weights)
+    x = constrain(x, DENSE_INPUT_AXES, "inputs")
+    gate = jnp.einsum("bsd,edm->bsem", x, w["wi_0"])
+    up = jnp.einsum("bsd,edm->bsem", x, w["wi_1"])
+    if cfg.mlp_bias:
+        gate, up = gate + w["wi_0_bias"], up + w["wi_1_bias"]
+    out = jnp.einsum("bsem,emd->bsed", gated_unit(cfg, gate, up).astype(dtype), w["wo"])
+    if cfg.mlp_bias:
+        out = out + w["wo_bias"]
+    return jnp.einsum("bsed,bse->bsd", out.astype(jnp.float32), combine).astype(dtype)
 
 
 class RoutedAndSharedExperts(nn.Module):

@@ -95,7 +95,8 @@ def setup_case(case: Case) -> CaseSetup:
         config, pipeline = None, None
         _check_factory_settings(case, values, plan)
     else:
-        config = cards.load_config(case.model, weight_dtype=values["weight_dtype"])
+        config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
+                                   sparse_matmul=values["sparse_matmul"])
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:
@@ -116,7 +117,8 @@ def setup_case(case: Case) -> CaseSetup:
 
 
 # Settings that only a built-in model (built from a card) can honour.
-CARD_ONLY_SETTINGS = ("weight_dtype", "num_pipeline_microbatches", "num_pipeline_repeats", "pipeline_parallel_layers")
+CARD_ONLY_SETTINGS = ("weight_dtype", "sparse_matmul", "num_pipeline_microbatches", "num_pipeline_repeats",
+                      "pipeline_parallel_layers")
 
 
 def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) -> None:

@@ -20,7 +20,7 @@ import yaml
 from helpers import REPO, tree_bytes
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import ModelConfig
+from sharding_dump.models.config import NUMERICS, ModelConfig
 from sharding_dump.zoo import cards, maxtext_config, settings
 from sharding_dump.zoo import cards as card_registry
 from sharding_dump.zoo.cards import load_card
@@ -83,7 +83,8 @@ def test_every_model_card_field_is_a_classified_maxtext_key():
     table = maxtext_config.key_table()
     by_field = {spec.field: key for key, spec in table.model.items()}
     rules = {"logical_axis_rules"}
-    for field in {f.name for f in dataclasses.fields(ModelConfig)} - ZOO_ONLY_FIELDS - rules:
+    run_settings = {name for name, _, _ in NUMERICS}  # set by the run (settings), not by the card
+    for field in {f.name for f in dataclasses.fields(ModelConfig)} - ZOO_ONLY_FIELDS - rules - run_settings:
         key = by_field.get(field, field)
         assert key in table.kind, f"card field {field} is no key of data/maxtext_keys.yml"
         assert table.kind[key] in ("model", "ignore"), (field, table.kind[key])
@@ -209,9 +210,10 @@ def test_verify_is_told_what_it_compiles_otherwise():
     assert any(n.startswith(f"{RUN.relative_to(Path.cwd()) if RUN.is_relative_to(Path.cwd()) else RUN}: attention: "
                             f"'flash': verify compiles the zoo's step with attention='dot_product'") for n in notes), notes
     assert any("remat_policy: 'minimal'" in n and "remat_policy='full'" in n for n in notes), notes
-    assert not any("sparse_matmul" in n for n in notes)  # a dense model has no token dispatch
+    assert not any("megablox" in n for n in notes)  # a dense model has no token dispatch
     moe = maxtext_config.read_case(BASE, ["model_name=mixtral-8x7b"], topology="v5p-16").compiled_notes
-    assert any("sparse_matmul: true: verify compiles the zoo's step with sparse_matmul=false" in n for n in moe), moe
+    assert any("megablox: true: verify compiles the zoo's step with megablox=false" in n for n in moe), moe
+    assert not any("sparse_matmul" in n for n in moe), moe  # the dispatch is built as the setting says
 
 
 # --- every card is its MaxText model config --------------------------------------------------------
