@@ -19,7 +19,7 @@ Pieces, for your own step or state:
 * :class:`Case` and :func:`load_matrix`: a case of the built-in zoo (or of your factory) for the
   `sharding_golden` pytest fixture.
 
-Everything else (the zoo's settings, meshes, rules, the commands) is internal: see the README's Layout.
+Everything else (the zoo's settings, meshes, rules, the commands) is internal: see the docs' Layout page (docs/maintainers/layout.md).
 """
 
 from __future__ import annotations

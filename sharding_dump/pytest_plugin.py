@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from sharding_dump.zoo.project import Project
 
 SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
+REPLACED = "replaced "  # a kind that names a golden path an update replaced without reading it
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -48,6 +49,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--sharding-verify", action="store_true", default=False,
                     help="also compile each checked case's training step on fake CPU devices (sharding-dump "
                          "verify): fail on remats, large replicated values or compiled shardings unlike the golden")
+    from sharding_dump.commands.options import TIME_LIMIT_HELP, seconds
+
+    group.addoption("--sharding-time-limit", type=seconds, default=None, metavar="SECONDS",
+                    help=TIME_LIMIT_HELP.replace("; then one error line, exit 2", "; then the case's test fails"))
     parser.addini("sharding_dump_cases", type="paths",
                   help="sharding-dump case files (overrides cases of [tool.sharding-dump])")
     parser.addini("sharding_dump_golden_dir", type="string", default=None,
@@ -169,24 +174,38 @@ class GoldenChecker:
     """Checks (or, under --sharding-update, rewrites) one case's golden folder, and notes on the test
     item what it did for the summary line."""
 
-    def __init__(self, root: Path, update: bool, item: pytest.Item | None = None, verify: bool = False) -> None:
+    def __init__(self, root: Path, update: bool, item: pytest.Item | None = None, verify: bool = False,
+                 time_limit: float | None = None) -> None:
         self.root = root
         self.update = update
         self.item = item
         self.verify = verify
+        self.time_limit = time_limit  # seconds per call into the user's code and per compile (None: default)
 
     def _note(self, kind: str, count: int = 1) -> None:
         if self.item is not None and count:
             self.item.user_properties.append((SUMMARY_KEY, (kind, count)))
 
     def check(self, case: "Case") -> "Outcome":
+        """Fails the test (one line, or the diff) unless the case's dump equals its golden; every call
+        into the user's code it makes is bounded by the time limit."""
+        from sharding_dump.commands.options import time_limit_of
+
+        with time_limit_of(self.time_limit, project=False):  # the project's limit is in self.time_limit
+            return self._check(case)
+
+    def _check(self, case: "Case") -> "Outcome":
         from sharding_dump.errors import BadInput, one_line
         from sharding_dump.zoo import goldens
 
         try:
             if self.update:
-                outcome, kind = goldens.update(case, self.root)
+                outcome, kind = goldens.update(case, self.root, repair=True)
                 self._note(kind)
+                for what in outcome.replaced:  # the summary says what the update replaced unread
+                    from sharding_dump.golden.engine import display
+
+                    self._note(f"{REPLACED}{display(outcome.folder)}/{what}")
                 return outcome
             outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
@@ -198,7 +217,10 @@ class GoldenChecker:
             from sharding_dump.commands.verify.run import verify_case
             from sharding_dump.commands.verify.settings import Options, default_threshold
 
-            result = verify_case(case, Options(default_threshold(), self.root))
+            try:
+                result = verify_case(case, Options(default_threshold(), self.root))
+            except BadInput as err:  # the program failed in the compiling process: its own line
+                pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
             if result.failures:
                 pytest.fail(render_case(result), pytrace=False)
         return outcome
@@ -218,8 +240,10 @@ class GoldenChecker:
 
 
 def checker_for(config: pytest.Config, item: pytest.Item | None) -> GoldenChecker:
-    return GoldenChecker(project_of(config).golden_dir, config.getoption("--sharding-update"), item,
-                         config.getoption("--sharding-verify"))
+    project = project_of(config)
+    limit = config.getoption("--sharding-time-limit")
+    return GoldenChecker(project.golden_dir, config.getoption("--sharding-update"), item,
+                         config.getoption("--sharding-verify"), project.time_limit if limit is None else limit)
 
 
 @pytest.fixture
@@ -249,7 +273,10 @@ class _Tally:
         if config.getoption("--sharding-update") and sum(self.counts.values()):
             from sharding_dump.golden.engine import summary_line
 
-            terminalreporter.write_line(summary_line(self.counts))
+            for kind in sorted(k for k in self.counts if k.startswith(REPLACED)):
+                terminalreporter.write_line(f"sharding-dump: {kind} by the dump")
+            terminalreporter.write_line(summary_line({k: n for k, n in self.counts.items()
+                                                      if not k.startswith(REPLACED)}))
 
 
 class _Collected:

@@ -5,7 +5,7 @@
     python tools/bench.py --cases 3  # the first three
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
-    python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, -m package): wall time, slowest tests
+    python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, -m package, the docs site): wall time
 
 Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case, beside the time of
@@ -91,8 +91,8 @@ SUITE_STEPS = (("default suite", []), ("compile checks", ["-m", "compile"]), ("s
 
 def bench_suite(workers: int) -> None:
     """Wall time of each step CI runs on the pinned stack: the README's test command, then the compile
-    checks and the sweeps, with the default suite's slowest tests (pytest's --durations); printed, not
-    asserted."""
+    checks and the sweeps, with the default suite's slowest tests (pytest's --durations), then the docs
+    site's strict build; printed, not asserted."""
     print(f"({os.cpu_count()} cores, python {sys.version.split()[0]})", flush=True)
     for name, marks in SUITE_STEPS:
         command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider", *marks]
@@ -107,6 +107,22 @@ def bench_suite(workers: int) -> None:
             print("\n".join(line for line in lines[durations[0]:-1] if line.strip() and not line.startswith("=" * 5)))
         print(f"{name + ': python ' + ' '.join(command[1:]):<92} {wall:>7.2f} s wall, exit {proc.returncode}: "
               f"{lines[-1].strip('= ') if lines else ''}", flush=True)
+    bench_docs()
+
+
+def bench_docs() -> None:
+    """Wall time of CI's docs step, `mkdocs build --strict` (when the docs extra is installed)."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    if not mkdocs.exists():
+        print("docs site: skipped (pip install -e '.[docs]' -c constraints.txt)", flush=True)
+        return
+    with tempfile.TemporaryDirectory() as site:
+        command = [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", site]
+        start = time.perf_counter()
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+        wall = time.perf_counter() - start
+    print(f"{'docs site: mkdocs build --strict':<92} {wall:>7.2f} s wall, exit {proc.returncode}", flush=True)
 
 
 def main() -> None:

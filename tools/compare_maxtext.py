@@ -6,13 +6,17 @@
 e.g. `tests/data/maxtext/goldens/deepseek2-16b/tpu7x-16/slice_1/rule_default` against
 `golden/deepseek2-16b/tpu7x-16/slice_1/rule_default`.
 
-The reference writes one entry per leaf keyed by a pytree path (`.params/['params']/['decoder']/...`,
-`.opt_state/[0]/.mu/['params']/...`) with the mesh repeated in every entry; we key by
-`params/decoder/...`, `opt_state/0/mu/decoder/...`. Paths are translated, leaves are matched by
+The two name every leaf by the same path, written in two syntaxes: the reference keys each entry
+by its pytree key path as jax writes it (`.params/['params']/['decoder']/['pipeline_module']/...`,
+`.opt_state/[0]/.mu/['params']/...`), with the mesh repeated in every entry; we write the same
+path as names (`params/decoder/pipeline_module/...`, `opt_state/0/mu/...`), read from jax's syntax by
+the package's own `sharding_dump.core.specs.leaf_path` (no table of names). Leaves are matched by
 path, and every leaf whose (shape, partition_spec) differs, or that exists on one side only, is
-printed. As a check that does not depend on names at all, the multisets of (shape,
+printed (logical axes as written: `[]`, a leaf with none, is not one null per dimension). As a
+check that does not depend on names at all, the multisets of (shape,
 partition_spec) over all leaves must also cancel exactly. The mesh and, when both folders have
-them, the logical axes are compared the same way.
+them, the logical axes are compared the same way. What is left here is only what differs in file
+format: the key syntax, the mesh per leaf, and the logical axes under `partition_spec`.
 
 Exit status: 0 when everything matches, 1 when something differs, 2 on bad input (one line).
 Reads JSON only: no JAX import, so it runs in a fraction of a second. `main(argv)` (the command line)
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -31,30 +34,15 @@ from typing import Any
 
 if __name__ == "__main__":  # a script run from a checkout finds the package beside it; loaded, sys.path stays
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sharding_dump.core.specs import spec_to_json  # noqa: E402  (jax-free: the package's one spec normaliser)
+from sharding_dump.core.specs import leaf_path, spec_to_json  # noqa: E402  (jax-free: the package's normalisers)
 
 NAMED, LOGICAL = "named_shardings.json", "logical_shardings.json"
-_TOKEN = re.compile(r"^\.?(?:\['(?P<key>[^']*)'\]|\[(?P<index>\d+)\]|(?P<attr>[A-Za-z_][A-Za-z0-9_]*))$")
 
 Leaf = tuple[tuple[int, ...], str]  # (shape, canonical spec text)
 
 
 class BadInput(Exception):
     """A missing or unreadable input: reported as one line, exit status 2."""
-
-
-def reference_path(path: str) -> str:
-    """`.opt_state/[0]/.mu/['params']/['decoder']` -> `opt_state/0/mu/decoder`."""
-    out: list[str] = []
-    for token in path.split("/"):
-        match = _TOKEN.match(token)
-        if not match:
-            raise BadInput(f"reference leaf {path!r}: cannot read path element {token!r}")
-        name = match.group("key") or match.group("index") or match.group("attr")
-        if name == "params" and out and out[-1] in ("params", "mu", "nu"):
-            continue  # flax's 'params' collection level, which our dumps do not repeat
-        out.append(name)
-    return "/".join(out)
 
 
 def spec_text(spec: list[Any]) -> str:
@@ -76,23 +64,39 @@ def read_json(folder: Path, name: str, required: bool = True) -> dict[str, Any] 
     return doc
 
 
-def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[str, Leaf]:
+def entry_text(spec: Any, rank: int, exact: bool) -> str:
+    """A spec as compared: padded to the rank (a partition spec), or as written (logical axes: `[]`,
+    no logical axes, is not `[null, null]`, two unnamed dimensions)."""
+    if exact:
+        if not isinstance(spec, list):
+            raise ValueError(spec)
+        return spec_text(spec)
+    return spec_text(spec_to_json(spec, rank))
+
+
+def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False) -> dict[str, Leaf]:
     leaves = {}
     for path, entry in doc.items():
         try:
+            key = leaf_path(path)
+        except ValueError as err:
+            raise BadInput(f"{where}: leaf {err}") from None
+        if key in leaves:
+            raise BadInput(f"{where}: leaf {path!r} reads as {key!r}, the path of an earlier leaf")
+        try:
             shape = tuple(int(d) for d in entry["shape"])
-            leaves[reference_path(path)] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
+            leaves[key] = (shape, entry_text(entry[spec_key], len(shape), exact))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: leaf {path!r} has no readable shape/{spec_key}") from None
     return leaves
 
 
-def our_leaves(doc: dict[str, Any], spec_key: str, where: Path) -> dict[str, Leaf]:
+def our_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False) -> dict[str, Leaf]:
     leaves = {}
     for path, entry in doc.get("tensors", {}).items():
         try:
             shape = tuple(int(d) for d in entry["shape"])
-            leaves[path] = (shape, spec_text(spec_to_json(entry[spec_key], len(shape))))
+            leaves[path] = (shape, entry_text(entry[spec_key], len(shape), exact))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: tensor {path!r} has no readable shape/{spec_key}") from None
     return leaves
@@ -162,8 +166,8 @@ def compare(reference: Path, ours: Path) -> tuple[bool, str]:
     report += lines
     ref_logical, our_logical = read_json(reference, LOGICAL, required=False), read_json(ours, LOGICAL, required=False)
     if ref_logical is not None and our_logical is not None:
-        lines = compare_leaves(LOGICAL, reference_leaves(ref_logical, "partition_spec", reference / LOGICAL),
-                               our_leaves(our_logical, "logical_axes", ours / LOGICAL))
+        lines = compare_leaves(LOGICAL, reference_leaves(ref_logical, "partition_spec", reference / LOGICAL, True),
+                               our_leaves(our_logical, "logical_axes", ours / LOGICAL, True))
         ok &= len(lines) == 1
         report += lines
     report.append("MATCH" if ok else "DIFFERENT")

@@ -12,7 +12,10 @@
   every device; MaxText's own rule files leave names out on purpose);
 - replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
   size > 1, i.e. held whole by every device;
-- memory: params + optimizer state per device above the topology's HBM per device.
+- memory: params + optimizer state per device above the topology's HBM per device;
+- pipeline-layers: a pipelined case that builds more decoder layers (and parameters) than the card's
+  model, because MaxText counts `pipeline_parallel_layers` in units of a scanned block (gemma4-31b
+  with a pipeline: 60 blocks of 6 layers, 360 layers). The golden is what the run builds; this says so.
 
 Which rule decided a dimension comes from flax's own resolver (:func:`sharding_dump.zoo.rules.deciding_rule`),
 and where that rule was written from the rule set's origins (file:line of the rule file or model card).
@@ -31,7 +34,9 @@ import jax.numpy as jnp
 
 from sharding_dump import models
 from sharding_dump.commands import options, tables
+from sharding_dump.core import specs
 from sharding_dump.core.layout import TensorLayout, indivisible, leaves, per_device_totals
+from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import diff
 from sharding_dump.golden.engine import display
@@ -49,6 +54,7 @@ class Finding:
     """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
 
     lint: str  # divisibility | unknown-name | unplaced | partition-rule | rank | no-rule | replicated | memory
+    #            | pipeline-layers
     subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
     message: str
     details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
@@ -139,9 +145,18 @@ def rule_text(rule_set: rules.RuleSet, index: int) -> str:
     return f"{where}  [{name}, {_axes_text(axes)}]"
 
 
+# How a leaf whose spec did not come from a linen or NNX box was placed (core.placement.SOURCES).
+SOURCE_TEXT = {"type": "placed by the program itself: the sharding in the type of its init's output",
+               "params_axes": "placed by its params_axes names (flax.linen.partitioning) under the logical rules",
+               "regex": "placed by a partition rule (path regex)"}
+
+
 def dimension_rules(rule_set: rules.RuleSet, layout: TensorLayout) -> list[str]:
-    """For every named dimension of a tensor, the rule that decided it (or that none did)."""
-    out = []
+    """Where a tensor's spec came from when not from a box, then for every named dimension the rule
+    that decided it (or that none did)."""
+    out = [f"  {SOURCE_TEXT[layout.source]}"] if layout.source in SOURCE_TEXT else []
+    if layout.source == "type":
+        return out + [f"  spec {specs.spec_to_json(layout.partition_spec, len(layout.shape))}"]
     for dim, name in enumerate(layout.logical_axes):
         if name is None:
             continue
@@ -223,7 +238,7 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
     rule_set = setup.rule_set
     by_path = {t.path: t for t in layouts}
     findings = []
-    unplaced = rules.unplaced_parameters(rule_set, _leaves(layouts))
+    unplaced = rules.unplaced_parameters(rule_set, _leaves(layouts), {t.path for t in layouts if t.source == "type"})
     if unplaced:
         ordered = sorted(unplaced, key=lambda p: (-_global_bytes(by_path[p]), p))
         listed = [(by_path[p], _global_bytes(by_path[p]), "") for p in ordered[:TOP_TENSORS]]
@@ -237,6 +252,11 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
         findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
                                 f"matches no parameter path of model {setup.case.model_ref.label} (a typo?)",
                                 (f"rule: {rule.where}",)))
+    for rule, first, path in rules.shadowed_partition_rules(rule_set, _leaves(layouts)):
+        findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
+                                f"places nothing: every parameter path it matches is matched first by partition "
+                                f"rule {first.pattern!r} (first match wins), e.g. {path}",
+                                (f"rule: {rule.where}", f"shadowed by: {first.where}")))
     for path, count, rank in rules.rank_mismatches(_leaves(layouts)):
         findings.append(Finding("rank", path, f"{count} logical axes for a tensor of rank {rank}: "
                                 + ("the extra names are dropped" if count > rank else
@@ -313,6 +333,31 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
         _tensor_details(setup.rule_set, listed, len(rest), sum(by_param[p] for p in rest), "parameters"))]
 
 
+def _billions(count: int) -> str:
+    return f"{count:,} ({count / 1e9:.2f}B)"
+
+
+def check_pipeline_layers(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """A pipelined case whose stack holds more decoder layers than the card's model: MaxText's
+    `pipeline_parallel_layers` counts units of the pipelined stack, and a unit may be a scanned block."""
+    pp, cfg = setup.pipeline, setup.config
+    if pp is None or cfg is None:
+        return []
+    built, model = cards.built_layers(cfg, pipelined=True), cards.built_layers(cfg, pipelined=False)
+    if built <= model:
+        return []
+    built_params = sum(math.prod(t.shape) for t in layouts if t.group == "params")
+    model_params = parameter_count(state.abstract_params(cfg))
+    stack = cards.pipelined_stack(cfg)
+    return [Finding(
+        "pipeline-layers", "decoder layers the pipeline builds",
+        f"the pipelined run builds {built} decoder layers where model {cfg.name} has {model}, and "
+        f"{_billions(built_params)} parameters where the model has {_billions(model_params)}",
+        (f"MaxText counts pipeline_parallel_layers ({pp.num_layers} = {pp.num_stages} stages x {pp.num_repeats} "
+         f"repeats x {pp.layers_per_stage} per stage) and the layers outside the pipeline in units of the "
+         f"pipelined stack, here blocks of {stack.unit_layers} layers: {stack.length} blocks in all",))]
+
+
 def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     """Every finding of `case`, lint by lint."""
     settings = lint_settings()
@@ -324,7 +369,8 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     return (check_divisibility(setup, layouts)
             + check_names(setup, settings.known_logical_axes, layouts, activation_axes)
             + check_placement(setup, layouts)
-            + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts))
+            + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts)
+            + check_pipeline_layers(setup, layouts))
 
 
 def parse_tolerance(text: str) -> float:

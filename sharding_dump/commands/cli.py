@@ -18,7 +18,8 @@ the options they share are built by :mod:`sharding_dump.commands.options`.
 CASE is --model M --topology T --rule R [--num-slices N] [KEY=VALUE ...], as for a dump, or a MaxText
 run configuration: --maxtext-config RUN.yml [--topology T] [KEY=VALUE ...] (:mod:`sharding_dump.zoo.maxtext_config`).
 Exit status: 0 on success (diff: no difference; check: no finding), 1 when `diff` finds a difference
-or `check` a finding, 2 on bad input (one line on stderr, nothing written).
+or `check` a finding, 2 on bad input (one line on stderr, nothing written; the user's code failing,
+exiting or running past --time-limit is bad input too), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import warnings
 from typing import Sequence
@@ -91,7 +93,10 @@ def run(argv: Sequence[str]) -> int:
     word_given = bool(argv) and argv[0] in COMMANDS
     name = argv[0] if word_given else DEFAULT
     args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
-    return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
+    from sharding_dump.commands.options import time_limit_of
+
+    with time_limit_of(getattr(args, "time_limit", None), hasattr(args, "time_limit")):
+        return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
 
 
 _SHOW_WARNING = warnings.showwarning
@@ -154,8 +159,29 @@ class _Stdout:
             raise self._fail(err) from None
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exit_now(status: int, stdout: object) -> None:
+    """Ends the process at once (after flushing what was printed), skipping the interpreter's
+    teardown: every file the run wrote is complete or gone by now."""
+    for stream in (stdout, sys.stderr):
+        try:
+            stream.flush()  # type: ignore[attr-defined]
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
+    whole_process = argv is None  # the command itself (not a call from Python code in a larger program)
     argv = list(sys.argv[1:] if argv is None else argv)
     _force_jax_options()
     warnings.simplefilter("always", UnevenSplitWarning)
@@ -163,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = _warning_line
     stdout = sys.stdout
     guard = sys.stdout = _Stdout(stdout)
+    # Ctrl-C ends a run even when SIGINT came in ignored (a job started in the background of a
+    # script inherits SIG_IGN, and Python then never raises KeyboardInterrupt).
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN and _main_thread()
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with fewer_collections():  # this process traces models from start to end
             status = run(argv)
@@ -171,7 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as err:
         print(f"sharding-dump: error: {one_line(str(err))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a golden is swapped in whole or not at all: nothing is half-written
+        print("sharding-dump: interrupted", file=sys.stderr)
+        if whole_process:  # jax's teardown at exit takes a second or more: the user asked to stop now
+            _exit_now(INTERRUPTED, stdout)
+        return INTERRUPTED
     finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         warnings.showwarning = shown_before
         if guard.stream is not None:  # after a failed write, stdout stays /dev/null to the end
             sys.stdout = stdout

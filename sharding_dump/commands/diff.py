@@ -4,21 +4,23 @@ OLD and NEW are two case folders (say the same model under two rules) or two gol
 checkout of main and the working tree, paired by case folder). Every golden document is read and
 schema-checked, then compared with :func:`sharding_dump.golden.diff.diff_documents`; this module only
 gathers the findings per case and lays them out as text, GitHub markdown (ready to paste as a
-pull-request comment) or JSON. Optimizer slots that changed exactly like their parameter are folded
-under it, as in the pytest report.
+pull-request comment, with a mermaid chart of memory per device before and after), a standalone HTML
+page (a CI artifact, the chart as inline SVG) or JSON. Optimizer
+slots that changed exactly like their parameter are folded under it, as in the pytest report.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from sharding_dump.commands import options, tables
+from sharding_dump.commands import options, pictures, tables
 from sharding_dump.core import specs
 from sharding_dump.core.format import ACTIVATIONS_FILE, GOLDEN_FILE_NAMES, NAMED_FILE
 from sharding_dump.errors import BadInput
@@ -229,6 +231,10 @@ def _case_block(report: CaseReport, fmt: str, max_rows: int = MAX_ROWS) -> Itera
         yield f"{bullet or '  '}header {key}: {diff.compact(old)} -> {diff.compact(new)}"
     for name, side in sorted(report.files_only.items()):
         yield f"{bullet or '  '}{name} only in {side.upper()}"
+    chart = pictures.memory_chart(report.memory) if fmt == "markdown" else None
+    if chart:
+        yield ""
+        yield chart
     if report.rows:
         shown = report.rows[:max_rows]
         headers = ["tensor", "old spec", "new spec", "old bytes/device", "new bytes/device", "also changed"]
@@ -334,15 +340,49 @@ def render_json(reports: list[CaseReport]) -> str:
     return codec.canonical_bytes(doc).decode("utf-8")
 
 
+def render_html(reports: list[CaseReport]) -> str:
+    """A standalone HTML page (no script, no external file): the summary table, then per differing
+    case its memory chart (inline SVG) and every row, in a fold of its own. Never cut."""
+    esc = html.escape
+    differ = [r for r in reports if r.status != "identical"]
+    title = next(_summary(reports, "text"))
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title>",
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}td.n{text-align:right}"
+             "code{font-size:90%}</style></head><body>", f"<h1>{esc(title)}</h1>"]
+    if differ:
+        parts.append("<table><tr><th>case</th><th>status</th><th>changed</th><th>added</th><th>removed</th>"
+                     "<th>params/device</th><th>opt_state/device</th></tr>")
+        for r in differ:
+            mem = [r.memory.get(g, (None, None)) for g in ("params", "opt_state")]
+            cells = [f"<td><code>{esc(r.label)}</code></td><td>{r.status}</td>",
+                     *(f'<td class="n">{r.counts[k]}</td>' for k in ("changed", "added", "removed")),
+                     *(f'<td class="n">{tables.format_bytes(o)} &rarr; {tables.format_bytes(n)}</td>' for o, n in mem)]
+            parts.append("<tr>" + "".join(cells) + "</tr>")
+        parts.append("</table>")
+    for i, r in enumerate(differ):
+        lines = list(_case_block(r, "text", max_rows=len(r.rows)))
+        parts.append(f"<details{' open' * (i == 0)}><summary><code>{esc(r.label)}</code>: "
+                     f"{esc(_counts_line(r) if r.status == 'changed' else 'case ' + r.status)}</summary>")
+        svg = pictures.memory_svg(r.memory)
+        if svg:
+            parts.append(f"<p>{svg}</p>")
+        parts.append(f"<pre>{esc(chr(10).join(lines[1:]))}</pre></details>")
+    return "\n".join(parts + ["</body></html>"]) + "\n"
+
+
 def render(reports: list[CaseReport], fmt: str, max_chars: int | None = None) -> str:
-    """The report in one of options.REPORT_FORMATS (`max_chars`: see :func:`render_text`; JSON is never cut)."""
+    """The report in one of options.REPORT_FORMATS or html (`max_chars`: see :func:`render_text`; JSON
+    and HTML are never cut)."""
+    if fmt == "html":
+        return render_html(reports)
     return render_json(reports) if fmt == "json" else render_text(reports, fmt, max_chars)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("old", metavar="OLD", help="case folder or golden tree before the change")
     parser.add_argument("new", metavar="NEW", help="case folder or golden tree after the change")
-    options.add_format_option(parser)
+    options.add_format_option(parser, html=True)
     parser.add_argument("--max-chars", type=int, metavar="N",
                         help=f"cut the text or markdown report to N characters, keeping the summary table "
                              f"(markdown default: {GITHUB_COMMENT_CHARS:,}, what a GitHub comment takes)")
@@ -350,7 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 1 when anything differs, 0 when nothing does."""
-    if args.max_chars is not None and (args.format == "json" or args.max_chars < 1000):
+    if args.max_chars is not None and (args.format in ("json", "html") or args.max_chars < 1000):
         raise BadInput(f"--max-chars {args.max_chars}: takes a number >= 1000, with --format text or markdown")
     limit = args.max_chars
     if limit is None and args.format == "markdown":

@@ -61,8 +61,9 @@ def _use_warnings(case: Case, folder: Path) -> list[str]:
     from sharding_dump.commands import check
     from sharding_dump.golden import codec
     from sharding_dump.zoo import rules
-    from sharding_dump.zoo.dump import batch_fields
+    from sharding_dump.zoo.dump import batch_fields, case_layouts
 
     docs = {path.name: codec.read_document(path) for path in sorted(folder.glob("*.json"))}
+    placed = {t.path for t in case_layouts(case)[1] if t.source == "type"} if case.model_ref.kind == "factory" else ()
     return rules.use_warnings(rules.load_rule(case.rule), docs, check.lint_settings().known_logical_axes,
-                              batch_fields(case))
+                              batch_fields(case), placed)

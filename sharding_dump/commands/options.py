@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ContextManager
 
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.resources import MAX_DIGITS
@@ -59,11 +59,44 @@ def add_case_options(parser: argparse.ArgumentParser, all_help: str | None = Non
                              "names, then MaxText KEY=VALUE), instead of --model and --rule: model_name names the "
                              "card, custom_mesh_and_rule the rule, compile_topology the topology; every key is "
                              "honoured, ignored as layout-neutral or refused (data/maxtext_keys.yml)")
+    add_time_limit_option(parser)
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
         parser.add_argument("--cases", action="append", metavar="FILE",
                             help="case file for --all (repeatable; default: cases of [tool.sharding-dump] in "
                                  "pyproject.toml, else the package's own matrix)")
+
+
+TIME_LIMIT_HELP = ("seconds each call into the user's code (import, factory, init, model call, train_step, "
+                   "optimizer) and each verify compile may take; then one error line, exit 2 (default: time-limit "
+                   "of [tool.sharding-dump], else user_code_seconds of sharding_dump/data/time_limits.yml)")
+
+
+def seconds(text: str) -> float:
+    """argparse type for a time limit: a number of seconds above 0 (bounded by core.boundary)."""
+    from sharding_dump.core.boundary import check_seconds
+
+    try:
+        return check_seconds(text, "")
+    except BadInput as err:
+        raise argparse.ArgumentTypeError(str(err).strip()) from None
+
+
+def add_time_limit_option(parser: argparse.ArgumentParser) -> None:
+    """--time-limit: the bound on each call into the user's code and on each compile."""
+    parser.add_argument("--time-limit", type=seconds, metavar="SECONDS", help=TIME_LIMIT_HELP)
+
+
+def time_limit_of(seconds: float | None, project: bool = True) -> ContextManager[None]:
+    """The block within which each call into the user's code may take `seconds` (--time-limit,
+    pytest's --sharding-time-limit); None: `time-limit` of [tool.sharding-dump] (when `project`),
+    else the default of data/time_limits.yml."""
+    from sharding_dump.core.boundary import time_limit
+    from sharding_dump.zoo.project import load_project
+
+    if seconds is None and project:
+        seconds = load_project().time_limit
+    return time_limit(seconds)
 
 
 def add_settings_argument(parser: argparse.ArgumentParser) -> None:
@@ -79,10 +112,12 @@ def add_golden_dir_option(parser: argparse.ArgumentParser, what: str, *aliases: 
                              "pyproject.toml, else golden/)")
 
 
-def add_format_option(parser: argparse.ArgumentParser) -> None:
-    """--format of a report: text for a terminal, markdown for a pull-request comment, json for tools."""
-    parser.add_argument("--format", choices=REPORT_FORMATS, default="text",
-                        help="text (terminal), markdown (pull-request comment) or json; default text")
+def add_format_option(parser: argparse.ArgumentParser, html: bool = False) -> None:
+    """--format of a report: text for a terminal, markdown for a pull-request comment, json for tools
+    (and, where the command writes one, html: a standalone page for a CI artifact)."""
+    parser.add_argument("--format", choices=REPORT_FORMATS + ("html",) * html, default="text",
+                        help="text (terminal), markdown (pull-request comment)" + (", json or html (a standalone "
+                             "page, e.g. a CI artifact)" if html else " or json") + "; default text")
 
 
 def project_of(args: argparse.Namespace) -> Project:
@@ -99,6 +134,7 @@ def project_of(args: argparse.Namespace) -> Project:
 def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
     """The case the options name, or every case of the project's case files under --all; all of them
     validated (mesh, settings, model) so that every bad input surfaces before any work or output."""
+    from sharding_dump.zoo import maxtext_config
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.dump import setup_case
     from sharding_dump.zoo.settings import parse_assignments
@@ -118,8 +154,12 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
             raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
         if getattr(args, "cases", None):
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
+        overrides, notes = maxtext_config.layout_neutral(parse_assignments(args.settings))
+        if verb == "verifies":
+            for note in notes:
+                print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
-                           1 if args.num_slices is None else args.num_slices, parse_assignments(args.settings))]
+                           1 if args.num_slices is None else args.num_slices, overrides)]
     for case in cases:
         setup_case(case)
     return cases

@@ -1,29 +1,40 @@
-"""Activation constraints met while tracing any function, with their logical axes.
+"""Activation placements read from the traced step itself, whatever API placed them.
 
-Inside :func:`recording`, every sharding constraint a model places is noted at its call site:
+The step is traced once (`jax.make_jaxpr`) and its equations are read, in nested jaxprs too (scan,
+remat, jit, custom_vjp, shard_map, cond bodies). An equation places an activation when it is
 
-* flax's `nn.with_logical_constraint` (the usual way, linen or NNX): logical axes known;
-* :func:`constrain` (the same, with an explicit stable name);
-* plain `jax.lax.with_sharding_constraint`: logical axes unknown (null per dimension), named by
-  its source location (see below);
-* on a mesh whose axes are Explicit (sharding in types): `jax.sharding.reshard`, and a call of a
-  module method (NNX or linen) given `out_sharding=`, such as `nnx.Linear(...)(x, out_sharding=P(...))`
-  or `embed.attend(x, out_sharding=P(...))`: the sharding the output carries in its type, forward,
-  and the sharding its cotangent carries in the backward pass.
+* a `sharding_constraint` (`jax.lax.with_sharding_constraint`, flax's `nn.with_logical_constraint`,
+  :func:`constrain` on an Auto mesh): the layout is the constraint's;
+* on a mesh with Explicit axes (sharding in types), a `reshard` (`jax.sharding.reshard`, the way out of
+  `auto_axes`/`explicit_axes`), or any operation given an output sharding (`dot_general` of an
+  `einsum(..., out_sharding=)`, the `gather` of `.at[].get(out_sharding=)`, a `reshape` or
+  `broadcast_in_dim` with one): the layout is its output's type.
 
-A plain constraint or a reshard is named `sharding_constraint-<function>-L<n>` (`reshard-...`):
-the qualified name of the function that placed it and its line counted from that function's first
-line, so the name does not depend on call order and stays put when other code moves. A typed module
-call is named by its method (`__call__`, `attend`) under the module's path.
+Forward and backward are told apart by the equations' name stacks (`transpose(...)`, except forward work
+rematerialised there). A constraint's backward entry is the transposed constraint; a typed placement's
+is the type of its cotangent (the first transposed equation of the same call site that consumes an
+array of the output's shape and dtype).
 
-Each noted call is wrapped in a named scope carrying its number, so every `sharding_constraint`
-equation that comes from it (forward, its rematerialised copy, the transposed one on the cotangent)
-can be matched back to the call site by :func:`read_constraints`. Constraints flax places when a
-parameter is read or created are parameter layouts, not activations: they are marked and left out.
+**Keys**, `<pass>/<module path>/<name>`:
 
-The hooks are installed only while a recording is open (and restored after), and they do nothing but
-pass through when the current thread or task has no recording. The notes live in one recording
-object (a context variable), so one trace never sees another's.
+* module path: while a recording is open every linen module method runs under a named scope holding
+  the module's path (`flax.linen.intercept_methods`, a public API); a placement outside any linen
+  module (pure functions, NNX modules, which keep no module stack) has none;
+* name: the one given to :func:`constrain`; for flax's `with_logical_constraint` whose logical axes are
+  written as a literal at the call, those axes joined by '.' (`batch.length.mlp`); otherwise the call
+  site, `<primitive>-<function>-L<n>` (the qualified name of the innermost function outside jax and flax
+  that placed it and its line counted from that function's first line, read from the equation's
+  source info), so distinct call sites are distinct keys, independent of call order and of code moved
+  elsewhere. One name with several layouts gets `-2`, `-3`, ... in trace order.
+
+Left out: constraints flax places when a parameter is read or created (boxed parameters,
+`param_with_axes`, `shard_value`), found by flax's frames in the equation's traceback; scalars; and
+typed equations jax places for itself with no program frame on the stack (a gradient's seed).
+
+Nothing is patched: :func:`recording` only installs a linen method interceptor (`nn.intercept_methods`)
+for the module scopes, and :func:`constrain` marks its own calls with a named scope carrying the
+recording's token, so that a jit-ed function traced under another recording (whose shardings were
+resolved under other rules) is refused rather than misread.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> from jax.sharding import AbstractMesh, AxisType, use_abstract_mesh
@@ -38,62 +49,49 @@ object (a context variable), so one trace never sees another's.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import itertools
+import linecache
 import os
 import re
-import sys
-import threading
 from typing import Any, Callable, Iterator, Sequence
+from urllib.parse import quote, unquote
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, jaxprs_in_params
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core.legacy_mesh import legacy_mesh
 
 FORWARD, BACKWARD = "forward", "backward"
-PLAIN_NAME = "sharding_constraint"  # the name of a plain jax.lax.with_sharding_constraint call
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _MARKER = re.compile(r"activation:[A-Za-z0-9_.-]+@(\d+)\.(\d+)")
-_PARAM_SCOPE = "sharding_dump_parameter_read"
+_MODULE_SCOPE = "sharding_dump.module:"
+_MODULE = re.compile(re.escape(_MODULE_SCOPE) + r"([^/()]*)")
 _REMAT_RECOMPUTE = "rematted_computation"  # jax's name-stack entry for forward work redone in the backward pass
+_TYPED_PARAMS = ("dst_sharding", "out_sharding", "sharding")  # where an equation keeps the sharding it gives
+_CARRIERS = frozenset({"transpose", "convert_element_type", "copy"})  # what a call may do to a placed output
+_LOGICAL_CALLS = frozenset({"with_logical_constraint", "with_sharding_constraint"})  # flax's, by any import
 
 
 @dataclasses.dataclass(frozen=True)
 class CallSite:
-    """Where a constraint was placed: module path ('' at top level), name, logical axes, and whether
-    the name was given (`constrain`) or derived."""
+    """A :func:`constrain` call: its given name and logical axes."""
 
-    module: str
     name: str
     logical_axes: tuple[str | None, ...]
-    named: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class TypedOutput:
-    """What a typed call site's output carries in its type: shape, dtype and partition spec."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    spec: PartitionSpec
 
 
 @dataclasses.dataclass
 class Recording:
-    """The call sites noted during one trace, numbered in call order."""
+    """The :func:`constrain` calls noted during one trace, numbered in call order."""
 
     token: int
     sites: list[CallSite] = dataclasses.field(default_factory=list)
-    nnx_paths: dict[int, str] = dataclasses.field(default_factory=dict)  # id(nnx module) -> path
-    nnx_type_paths: dict[type, list[str]] = dataclasses.field(default_factory=dict)  # module class -> paths
-    typed: dict[int, TypedOutput] = dataclasses.field(default_factory=dict)  # site index -> its output's type
-    patched: list[tuple[type, str]] = dataclasses.field(default_factory=list)  # NNX methods wrapped for it
 
     def note(self, site: CallSite) -> int:
         self.sites.append(site)
@@ -102,7 +100,7 @@ class Recording:
 
 @dataclasses.dataclass(frozen=True)
 class Constraint:
-    """One activation constraint of a traced function, deduplicated by (pass, module, name)."""
+    """One activation placement of a traced function, deduplicated by (pass, module, name)."""
 
     module: str
     name: str
@@ -120,58 +118,56 @@ class Constraint:
 
 _CURRENT: contextvars.ContextVar[Recording | None] = contextvars.ContextVar("sharding_dump_recording", default=None)
 _PREFIX: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("sharding_dump_module_prefix", default=())
-_GIVEN_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("sharding_dump_given_name", default=None)
-_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("sharding_dump_inside_hook", default=False)
-_INSIDE_TYPED: contextvars.ContextVar[bool] = contextvars.ContextVar("sharding_dump_inside_typed", default=False)
 _TOKENS = itertools.count(1)  # tells one recording's markers from another's
-_HOOKS_LOCK = threading.Lock()
-_HOOKS: dict[str, Any] = {"count": 0}
-_PATCHED: dict[tuple[type, str], list[Any]] = {}  # (class, method) -> [own attribute, had one, users]
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[Recording]:
-    """Notes every activation constraint placed inside the block (i.e. during one trace)."""
+    """Notes the :func:`constrain` calls of the block (i.e. of one trace) and marks every linen module
+    method called in it with its module path."""
     import flax.linen as nn
 
     rec = Recording(next(_TOKENS))
-    _install_hooks()
     reset = _CURRENT.set(rec)
     try:
-        with nn.intercept_methods(_linen_interceptor):
+        with nn.intercept_methods(_module_scope):
             yield rec
     finally:
         _CURRENT.reset(reset)
-        _unpatch_methods(rec)
-        _remove_hooks()
 
 
 @contextlib.contextmanager
 def module_prefix(path: Sequence[str]) -> Iterator[None]:
-    """Call sites inside the block get `path` in front of their module path: for modules run by a
+    """Placements inside the block get `path` in front of their module path: for modules run by a
     detached `Module.apply` (e.g. a pipeline stage), whose own paths start again from the root."""
     reset = _PREFIX.set(_PREFIX.get() + tuple(path))
     try:
-        yield
+        if _CURRENT.get() is None:
+            yield
+        else:
+            with jax.named_scope(_module_scope_name(())):
+                yield
     finally:
         _PREFIX.reset(reset)
 
 
 def note_nnx_modules(root: Any) -> None:
-    """Lets constraints inside NNX modules be keyed by module path: call it on the merged root
-    module inside the traced function (NNX keeps no module stack of its own)."""
-    rec = _CURRENT.get()
-    if rec is None:
-        return
-    from flax import nnx
+    """Kept for programs written against earlier releases: it does nothing. NNX modules keep no module
+    stack, so their placements are keyed by call site (see the module docstring)."""
+    del root
 
-    for path, node in nnx.iter_graph(root):
-        if isinstance(node, nnx.Module):
-            text = "/".join(str(p) for p in path)
-            rec.nnx_paths[id(node)] = text
-            rec.nnx_type_paths.setdefault(type(node), []).append(text)
-    for cls in list(rec.nnx_type_paths):
-        _patch_methods(rec, cls)
+
+def _module_scope_name(path: Sequence[Any]) -> str:
+    full = _PREFIX.get() + tuple(str(p) for p in path)
+    return _MODULE_SCOPE + "|".join(quote(p, safe="") for p in full)
+
+
+def _module_scope(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+    """Runs a linen module method under a named scope holding the module's path."""
+    if _CURRENT.get() is None:
+        return next_fun(*args, **kwargs)
+    with jax.named_scope(_module_scope_name(context.module.path)):
+        return next_fun(*args, **kwargs)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> jax.Array:
@@ -186,16 +182,12 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
     import flax.linen as nn
 
     axes = tuple(logical_axes)
-    if len(axes) != x.ndim:
+    if len(axes) > x.ndim:  # fewer leave the last dimensions free, as flax does (MaxText's Qwen3-Next)
         raise ValueError(f"activation {name!r}: {len(axes)} logical axes for a rank-{x.ndim} array")
     _check_name(name)
     if explicit_mesh():
-        return _reshard_named(x, nn.logical_to_mesh_axes(axes), name, axes)
-    reset = _GIVEN_NAME.set(name)
-    try:
-        return nn.with_logical_constraint(x, axes)
-    finally:
-        _GIVEN_NAME.reset(reset)
+        return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))), name, axes)
+    return _named(lambda: nn.with_logical_constraint(x, axes), name, axes)
 
 
 def constrain_spec(x: jax.Array, spec: PartitionSpec, name: str) -> jax.Array:
@@ -204,12 +196,8 @@ def constrain_spec(x: jax.Array, spec: PartitionSpec, name: str) -> jax.Array:
     pipeline's."""
     _check_name(name)
     if explicit_mesh():
-        return _reshard_named(x, spec, name, (None,) * x.ndim)
-    reset = _GIVEN_NAME.set(name)
-    try:
-        return jax.lax.with_sharding_constraint(x, spec)
-    finally:
-        _GIVEN_NAME.reset(reset)
+        return _named(lambda: jax.sharding.reshard(x, spec), name, (None,) * x.ndim)
+    return _named(lambda: jax.lax.with_sharding_constraint(x, spec), name, (None,) * x.ndim)
 
 
 def explicit_mesh() -> bool:
@@ -222,75 +210,76 @@ def _check_name(name: str) -> None:
         raise ValueError(f"activation name {name!r}: use letters, digits, '_', '.' or '-'")
 
 
-def _reshard_named(x: jax.Array, spec: PartitionSpec, name: str, axes: tuple[str | None, ...]) -> jax.Array:
-    original = _HOOKS.get("reshard", jax.sharding.reshard)
+def _named(place: Callable[[], Any], name: str, axes: tuple[str | None, ...]) -> Any:
+    """Runs `place` under a named scope that marks its equations as the named call site."""
     rec = _CURRENT.get()
     if rec is None:
-        return original(x, spec)
-    return _typed(rec, _module_path(rec), name, lambda: original(x, spec), axes, named=True)
+        return place()
+    index = rec.note(CallSite(name, axes))
+    with jax.named_scope(f"activation:{name}@{rec.token}.{index}"):
+        return place()
 
 
-# --- the hooks --------------------------------------------------------------------------------------
-
-def _param_codes() -> frozenset[Any]:
-    """Code objects of the flax functions that constrain a parameter as it is read or created."""
-    from flax.core import meta
-    from flax.core import spmd as core_spmd
-    from flax.linen import spmd as linen_spmd
-
-    return frozenset({meta.Partitioned.unbox.__code__, linen_spmd.LogicallyPartitioned.unbox.__code__,
-                      core_spmd.shard_value.__code__})
+def _explicit(mesh: Any) -> bool:
+    return any(kind == jax.sharding.AxisType.Explicit for kind in getattr(mesh, "axis_types", ()))
 
 
-def _caller_frames() -> Iterator[Any]:
-    frame = sys._getframe(2)
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
+# --- reading the jaxpr --------------------------------------------------------------------------------
+
+def equations(jaxpr: Jaxpr | ClosedJaxpr, stack: tuple[str, ...] = ()) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
+    """Every equation, in nested jaxprs too (scan, remat, jit, shard_map, custom_vjp, cond), with its
+    full name stack (a child's stack is relative to its parent's)."""
+    for eqn, full, _, _ in _equations(jaxpr, stack):
+        yield eqn, full
 
 
-def _is_parameter_constraint() -> bool:
-    codes = _HOOKS["param_codes"]
-    return any(f.f_code in codes for f in _caller_frames())
+def _equations(jaxpr: Jaxpr | ClosedJaxpr, stack: tuple[str, ...]) -> Iterator[tuple[JaxprEqn, tuple[str, ...],
+                                                                                       list[JaxprEqn], int]]:
+    """:func:`equations`, each with the equations of its own jaxpr and its index there."""
+    inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    siblings = inner.eqns
+    for index, eqn in enumerate(siblings):
+        own = str(eqn.source_info.name_stack)
+        full = stack + (own,) if own else stack
+        yield eqn, full, siblings, index
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _equations(sub, full)
 
 
-def _module_path(rec: Recording) -> str:
-    from flax.linen import module as flax_module
-
-    stack = flax_module._context.module_stack
-    module = stack[-1] if stack else None
-    if module is not None:
-        return "/".join(_PREFIX.get() + tuple(module.path))
-    if rec.nnx_paths:
-        for frame in _caller_frames():
-            owner = frame.f_locals.get("self")
-            if owner is None:
-                continue
-            path = _nnx_path(rec, owner)
-            if path is not None:
-                return "/".join(_PREFIX.get() + tuple(filter(None, [path])))
-    return "/".join(_PREFIX.get())
+def _result(eqn: JaxprEqn, siblings: list[JaxprEqn], index: int, chain: tuple[str, ...]) -> Any:
+    """The output of the call that placed `eqn`: its own, or that of the equations right after it in the
+    same call that carry it on (jnp.einsum contracts with `out_sharding` in the contraction's axis order
+    and then transposes to the order asked for)."""
+    out = eqn.outvars[0]
+    for follower in siblings[index + 1:]:
+        if (follower.primitive.name not in _CARRIERS or out not in follower.invars
+                or _origin(follower).chain != chain):
+            break
+        out = follower.outvars[0]
+    return out.aval
 
 
-def _nnx_path(rec: Recording, owner: Any) -> str | None:
-    """The path of an NNX module object: by identity, or by its class when the model has one module
-    of that class (a module rebuilt inside an NNX transform is a new object)."""
-    path = rec.nnx_paths.get(id(owner))
-    if path is None and len(rec.nnx_type_paths.get(type(owner), ())) == 1:
-        path = rec.nnx_type_paths[type(owner)][0]
-    return path
+def _pass_of(parts: list[str]) -> str:
+    """Backward when under a transpose, unless it is forward work rematerialised there."""
+    if _REMAT_RECOMPUTE in parts:
+        return FORWARD
+    return BACKWARD if any(p.startswith("transpose(") for p in parts) else FORWARD
 
 
-def _location() -> str:
-    """`<function>-L<n>` of the innermost caller outside jax, flax and this module: the qualified name
-    of the function and the line's offset from its first line (letters, digits, '_', '.', '-')."""
-    for frame in _caller_frames():
-        if frame.f_code.co_filename.startswith(_library_dirs()):
-            continue
-        code = frame.f_code
-        text = f"{code.co_qualname}-L{frame.f_lineno - code.co_firstlineno}"
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
-    return "unknown"
+def _placement(eqn: JaxprEqn) -> tuple[bool, Any] | None:
+    """(typed, sharding) of an equation that places its output: a constraint (typed False), or an
+    equation giving its output a sharding on a mesh with Explicit axes (typed True)."""
+    if eqn.primitive.name == "sharding_constraint":
+        sharding = eqn.params.get("sharding")
+        return (False, sharding) if isinstance(sharding, NamedSharding) else None
+    params = eqn.params
+    for name in _TYPED_PARAMS:
+        sharding = params.get(name)
+        if sharding is not None:
+            if isinstance(sharding, NamedSharding) and _explicit(sharding.mesh):
+                return True, sharding
+            return None
+    return None
 
 
 @functools.cache
@@ -301,272 +290,144 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, flax)) + (__file__,)
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_library(file_name: str) -> bool:
+    """jax, jaxlib, flax, this module, and Python's own library (jax wraps some functions in a
+    `contextlib` decorator), but not what is installed beside it (site-packages: a program may be)."""
+    if file_name.startswith(_library_dirs()):
+        return True
+    return file_name.startswith(_STDLIB) and not any(d in file_name for d in ("site-packages", "dist-packages"))
+
+
+_STDLIB = os.path.dirname(contextlib.__file__) + os.sep
+
+
+@functools.cache
+def _flax_dir() -> str:
+    import flax
+
+    return os.path.dirname(flax.__file__) + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """What an equation's traceback says: the program frames that placed it, innermost first, each as
+    `<function>-L<n>` (empty when only library frames are on the stack), the innermost one's file and
+    line, whether flax was reading a parameter or placing a logical constraint, and whether the library
+    function the program called takes an output sharding."""
+
+    chain: tuple[str, ...]
+    file: str | None
+    line: int
+    parameter: bool
+    logical: bool
+    sharding_argument: bool
+
+
+_SHARDING_ARGUMENTS = frozenset({"out_sharding", "out_shardings", "sharding", "dst_sharding"})
+
+
+def _origin(eqn: JaxprEqn) -> _Origin:
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return _Origin((), None, 0, False, False, False)
+    codes, lastis = traceback.raw_frames()
+    flax_dir = _flax_dir()
+    chain: list[str] = []
+    file, line, parameter, logical, argument, entered = None, 0, False, False, False, None
+    for code, lasti in zip(codes, lastis):
+        name = code.co_filename
+        if _is_library(name):
+            if name.startswith(flax_dir):
+                parameter = parameter or _is_parameter_frame(name, code.co_qualname)
+                logical = logical or code.co_name == "with_logical_constraint"
+            if not chain:
+                entered = code
+            continue
+        number = traceback.code_addr2line(code, lasti)
+        if not chain:
+            file, line = name, number
+            argument = entered is not None and not _SHARDING_ARGUMENTS.isdisjoint(
+                entered.co_varnames[:entered.co_argcount + entered.co_kwonlyargcount] + entered.co_freevars)
+        chain.append(re.sub(r"[^A-Za-z0-9_.-]", "_", f"{code.co_qualname}-L{number - code.co_firstlineno}"))
+    return _Origin(tuple(chain), file, line, parameter, logical, argument)
+
+
+def _site_labels(chains: set[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+    """A label per call chain: its innermost call site, preceded by as many callers as it takes to tell
+    it from the other chains through that site (a helper such as an `einsum` wrapper called from two
+    places gives two labels, `attention-L9.einsum-L2` and `mlp-L3.einsum-L2`)."""
+    labels = {}
+    for chain in chains:
+        others = [c for c in chains if c != chain and c[0] == chain[0]]
+        depth = 1
+        while depth < len(chain) and any(c[:depth] == chain[:depth] for c in others):
+            depth += 1
+        labels[chain] = ".".join(reversed(chain[:depth]))
+    return labels
+
+
+def _is_parameter_frame(file_name: str, function_name: str) -> bool:
+    """flax constraining a parameter as it is read or created: a box's `unbox`, `shard_value`, or the
+    older partitioning API (`param_with_axes`, `variable_with_axes`)."""
+    return (function_name.rsplit(".", 1)[-1] in ("unbox", "shard_value")
+            or file_name.endswith(os.path.join("linen", "partitioning.py")))
+
+
+def _literal_axes(file_name: str, line: int) -> tuple[str | None, ...] | None:
+    """The logical axes of the flax logical-constraint call at `file_name:line`, when the program writes
+    them there as a literal (`nn.with_logical_constraint(h, ("batch", "length", "mlp"))`); else None."""
+    linecache.checkcache(file_name)
+    found = _logical_calls("".join(linecache.getlines(file_name)))
+    spans = [(end - start, axes) for start, end, axes in found if start <= line <= end]
+    if not spans:
+        return None
+    spans.sort(key=lambda s: s[0])
+    if len(spans) > 1 and spans[0][0] == spans[1][0]:
+        return None  # two such calls on one line: not told apart
+    return spans[0][1]
+
+
+@functools.lru_cache(maxsize=64)
+def _logical_calls(source: str) -> tuple[tuple[int, int, tuple[str | None, ...] | None], ...]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        if name not in _LOGICAL_CALLS:
+            continue
+        given = node.args[1] if len(node.args) > 1 else next(
+            (k.value for k in node.keywords if k.arg == "logical_axis_resources"), None)
+        out.append((node.lineno, node.end_lineno or node.lineno, _axes_literal(given)))
+    return tuple(out)
+
+
+def _axes_literal(node: ast.AST | None) -> tuple[str | None, ...] | None:
+    if node is None:
+        return None
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, SyntaxError, TypeError):
+        return None
+    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
+
+
 def _derived_name(logical_axes: Sequence[Any]) -> str:
     text = ".".join("_" if a is None else str(a) for a in logical_axes) or "scalar"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def _marked(rec: Recording, site: CallSite, call: Callable[[], Any]) -> Any:
-    index = rec.note(site)
-    reset = _INSIDE.set(True)
-    try:
-        with jax.named_scope(f"activation:{site.name}@{rec.token}.{index}"):
-            return call()
-    finally:
-        _INSIDE.reset(reset)
-
-
-def _logical_hook(axis_resources: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-    """Stands in for flax's per-leaf logical constraint while a recording is open."""
-    original = _HOOKS["logical"]
-    rec = _CURRENT.get()
-    if rec is None or _INSIDE.get():
-        return original(axis_resources, x, *args, **kwargs)
-    if _is_parameter_constraint():
-        with jax.named_scope(_PARAM_SCOPE):
-            return original(axis_resources, x, *args, **kwargs)
-    axes = tuple(axis_resources) if axis_resources is not None else (None,) * getattr(x, "ndim", 0)
-    given = _GIVEN_NAME.get()
-    site = CallSite(_module_path(rec), given or _derived_name(axes), axes, named=given is not None)
-    return _marked(rec, site, lambda: original(axis_resources, x, *args, **kwargs))
-
-
-def _lax_hook(x: Any, shardings: Any, *args: Any, **kwargs: Any) -> Any:
-    """Stands in for `jax.lax.with_sharding_constraint` while a recording is open."""
-    original = _HOOKS["lax"]
-    rec = _CURRENT.get()
-    if rec is None or _INSIDE.get() or len(jax.tree.leaves(x)) != 1:
-        return original(x, shardings, *args, **kwargs)
-    if _is_parameter_constraint():
-        with jax.named_scope(_PARAM_SCOPE):
-            return original(x, shardings, *args, **kwargs)
-    (leaf,) = jax.tree.leaves(x)
-    given = _GIVEN_NAME.get()
-    site = CallSite(_module_path(rec), given or f"{PLAIN_NAME}-{_location()}", (None,) * getattr(leaf, "ndim", 0),
-                    named=given is not None)
-    return _marked(rec, site, lambda: original(x, shardings, *args, **kwargs))
-
-
-def _typed(rec: Recording, module: str, name: str, call: Callable[[], Any],
-           logical_axes: tuple[str | None, ...] = (), named: bool = False) -> Any:
-    """Runs a call whose output's sharding is given in its type, marked like a constraint; notes the
-    output's type when it is one array on a mesh with Explicit axes."""
-    index = rec.note(CallSite(module, name, logical_axes, named))
-    reset = _INSIDE_TYPED.set(True)
-    try:
-        with jax.named_scope(f"activation:{name}@{rec.token}.{index}"):
-            out = call()
-    finally:
-        _INSIDE_TYPED.reset(reset)
-    leaves = jax.tree.leaves(out)
-    if len(leaves) == 1:
-        aval = jax.typeof(leaves[0])
-        sharding = getattr(aval, "sharding", None)
-        if sharding is not None and _explicit(sharding.mesh):
-            rec.typed[index] = TypedOutput(tuple(aval.shape), aval.dtype.name, sharding.spec)
-    return out
-
-
-def _explicit(mesh: Any) -> bool:
-    return any(kind == jax.sharding.AxisType.Explicit for kind in getattr(mesh, "axis_types", ()))
-
-
-def _reshard_hook(x: Any, out_shardings: Any, *args: Any, **kwargs: Any) -> Any:
-    """Stands in for `jax.sharding.reshard` while a recording is open."""
-    original = _HOOKS["reshard"]
-    rec = _CURRENT.get()
-    if rec is None or _INSIDE_TYPED.get() or len(jax.tree.leaves(x)) != 1 or _is_parameter_constraint():
-        return original(x, out_shardings, *args, **kwargs)
-    return _typed(rec, _module_path(rec), f"reshard-{_location()}",
-                  lambda: original(x, out_shardings, *args, **kwargs))
-
-
-def _out_sharding_given(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    if kwargs.get("out_sharding") is not None:
-        return True
-    try:
-        return inspect.signature(fn).bind(*args, **kwargs).arguments.get("out_sharding") is not None
-    except (TypeError, ValueError):
-        return False
-
-
-def _linen_interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    """A linen module method called with `out_sharding=` is a typed call site."""
-    rec = _CURRENT.get()
-    if rec is None or _INSIDE_TYPED.get() or kwargs.get("out_sharding") is None:
-        return next_fun(*args, **kwargs)
-    module = "/".join(_PREFIX.get() + tuple(context.module.path))
-    return _typed(rec, module, context.method_name, lambda: next_fun(*args, **kwargs))
-
-
-def _typed_method(original: Callable[..., Any], name: str) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        rec = _CURRENT.get()
-        if rec is None or _INSIDE_TYPED.get() or not _out_sharding_given(original, (self, *args), kwargs):
-            return original(self, *args, **kwargs)
-        path = _nnx_path(rec, self)
-        module = "/".join(_PREFIX.get() + tuple(filter(None, [path]))) if path is not None else _module_path(rec)
-        return _typed(rec, module, name, lambda: original(self, *args, **kwargs))
-
-    method._sharding_dump_original = original  # type: ignore[attr-defined]
-    return method
-
-
-@functools.cache
-def _typed_method_names(cls: type) -> tuple[str, ...]:
-    """The methods of an NNX module class that take `out_sharding` (e.g. `__call__`, `attend`)."""
-    names = []
-    for name in dir(cls):
-        if name.startswith("_") and name != "__call__":
-            continue
-        fn = inspect.getattr_static(cls, name, None)
-        if not inspect.isfunction(fn):
-            continue
-        try:
-            if "out_sharding" in inspect.signature(fn).parameters:
-                names.append(name)
-        except (TypeError, ValueError):
-            continue
-    return tuple(names)
-
-
-def _patch_methods(rec: Recording, cls: type) -> None:
-    """Wraps the class's `out_sharding` methods for this recording (counted: recordings may overlap)."""
-    with _HOOKS_LOCK:
-        for name in _typed_method_names(cls):
-            key = (cls, name)
-            if key in rec.patched:
-                continue
-            entry = _PATCHED.get(key)
-            if entry is None:
-                own = name in cls.__dict__
-                entry = _PATCHED[key] = [cls.__dict__.get(name), own, 0]
-                setattr(cls, name, _typed_method(getattr(cls, name), name))
-            entry[2] += 1
-            rec.patched.append(key)
-
-
-def _unpatch_methods(rec: Recording) -> None:
-    with _HOOKS_LOCK:
-        for key in rec.patched:
-            entry = _PATCHED[key]
-            entry[2] -= 1
-            if entry[2] == 0:
-                cls, name = key
-                if entry[1]:
-                    setattr(cls, name, entry[0])
-                else:
-                    delattr(cls, name)
-                del _PATCHED[key]
-        rec.patched.clear()
-
-
-def _install_hooks() -> None:
-    from flax.linen import spmd as linen_spmd
-
-    with _HOOKS_LOCK:
-        if _HOOKS["count"] == 0:
-            _HOOKS["param_codes"] = _param_codes()
-            _HOOKS["logical"] = linen_spmd._with_sharding_constraint_one_fallback
-            _HOOKS["lax"] = jax.lax.with_sharding_constraint
-            _HOOKS["reshard"] = jax.sharding.reshard
-            linen_spmd._with_sharding_constraint_one_fallback = _logical_hook
-            jax.lax.with_sharding_constraint = _lax_hook
-            jax.sharding.reshard = _reshard_hook
-        _HOOKS["count"] += 1
-
-
-def _remove_hooks() -> None:
-    from flax.linen import spmd as linen_spmd
-
-    with _HOOKS_LOCK:
-        _HOOKS["count"] -= 1
-        if _HOOKS["count"] == 0:
-            linen_spmd._with_sharding_constraint_one_fallback = _HOOKS.pop("logical")
-            jax.lax.with_sharding_constraint = _HOOKS.pop("lax")
-            jax.sharding.reshard = _HOOKS.pop("reshard")
-
-
-# --- reading them back ------------------------------------------------------------------------------
-
-def equations(jaxpr: Jaxpr | ClosedJaxpr, stack: tuple[str, ...] = ()) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
-    """Every equation, in nested jaxprs too (scan, remat, jit, shard_map, custom_vjp, cond), with its
-    full name stack (a child's stack is relative to its parent's)."""
-    inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    for eqn in inner.eqns:
-        own = str(eqn.source_info.name_stack)
-        full = stack + (own,) if own else stack
-        yield eqn, full
-        for sub in jaxprs_in_params(eqn.params):
-            yield from equations(sub, full)
-
-
-def _constraint_eqns(jaxpr: Jaxpr) -> Iterator[tuple[JaxprEqn, str]]:
-    return ((eqn, "/".join(full)) for eqn, full in equations(jaxpr) if eqn.primitive.name == "sharding_constraint")
-
-
-def unrecorded_constraints(closed: ClosedJaxpr) -> list[tuple[tuple[int, ...], str, str]]:
-    """(shape, dtype, name stack) of every sharding constraint that is neither a noted activation
-    nor a parameter read: constraints placed through a function bound before the recording began."""
-    out = []
-    for eqn, stack in _constraint_eqns(closed.jaxpr):
-        if not _MARKER.search(stack) and _PARAM_SCOPE not in stack:
-            aval = eqn.invars[0].aval
-            out.append((tuple(aval.shape), aval.dtype.name, stack))
-    return out
-
-
-def _pass_of(parts: list[str]) -> str:
-    """Backward when under a transpose, unless it is forward work rematerialised there."""
-    if _REMAT_RECOMPUTE in parts:
-        return FORWARD
-    return BACKWARD if any(p.startswith("transpose(") for p in parts) else FORWARD
-
-
-def read_constraints(closed: ClosedJaxpr, rec: Recording) -> list[Constraint]:
-    """The activation constraints of a jaxpr traced inside `rec`, sorted by key.
-
-    The same call site met several times (a forward constraint and its rematerialised copy, a layer
-    body traced twice by scan) gives one entry. Two layouts under one derived name get `-2`, `-3`...
-    in call order; under one given name (:func:`constrain`) they are an error in the model code, and
-    so is a named call site none of whose constraints reached the jaxpr."""
-    found: dict[tuple[str, str, str], list[tuple[int, Constraint]]] = {}
-
-    def add(index: int, entry: Constraint) -> None:
-        variants = found.setdefault((entry.pass_, entry.module, entry.name), [])
-        layout = dataclasses.replace(entry, pass_="")
-        if any(dataclasses.replace(seen, pass_="") == layout for _, seen in variants):
-            return
-        if variants and rec.sites[index].named:
-            seen = variants[0][1]
-            raise ValueError(f"activation {entry.key}: constrained twice with different layouts "
-                             f"({seen.shape} {seen.logical_axes} vs {entry.shape} {entry.logical_axes}); "
-                             "give each constrain() call in a module its own name")
-        variants.append((index, entry))
-
-    for eqn, stack in _constraint_eqns(closed.jaxpr):
-        parts = stack.split("/")
-        marks = [_site_index(m, rec, stack) for m in map(_MARKER.search, parts) if m]
-        if not marks or marks[-1] in rec.typed:
-            continue  # a parameter read, a constraint the hooks did not see, or inside a typed call
-        site = rec.sites[marks[-1]]
-        aval = eqn.invars[0].aval
-        add(marks[-1], Constraint(site.module, site.name, _pass_of(parts), tuple(aval.shape), aval.dtype.name,
-                                  site.logical_axes, eqn.params["sharding"].spec))
-    for index, entry in _typed_outputs(closed, rec):
-        add(index, entry)
-    out = []
-    for variants in found.values():
-        for rank, (_, entry) in enumerate(sorted(variants, key=lambda v: v[0])):
-            out.append(entry if rank == 0 else dataclasses.replace(entry, name=f"{entry.name}-{rank + 1}"))
-    traced = {(c.module, c.name) for c in out}
-    lost = sorted("/".join(filter(None, (s.module, s.name))) for s in rec.sites
-                  if s.named and (s.module, s.name) not in traced)
-    if lost:
-        raise ValueError(f"constrain() was called for {', '.join(dict.fromkeys(lost))} but no such constraint "
-                         "reached the traced step (is its result unused?)")
-    return sorted(out, key=lambda c: c.key)
+def _module_of(stack: str) -> str:
+    found = _MODULE.findall(stack)
+    return "/".join(unquote(p) for p in found[-1].split("|")) if found and found[-1] else ""
 
 
 def _site_index(mark: re.Match[str], rec: Recording, stack: str) -> int:
@@ -578,40 +439,162 @@ def _site_index(mark: re.Match[str], rec: Recording, stack: str) -> int:
     return index
 
 
-def _typed_outputs(closed: ClosedJaxpr, rec: Recording) -> Iterator[tuple[int, Constraint]]:
-    """The typed call sites: forward, the output's type as noted at the call; backward, the type of its
-    cotangent, read from the first transposed equation of the call that consumes an array of the
-    output's shape and dtype."""
-    if not rec.typed:
-        return
-    for index, out in sorted(rec.typed.items()):
-        site = rec.sites[index]
-        yield index, Constraint(site.module, site.name, FORWARD, out.shape, out.dtype,
-                                site.logical_axes or (None,) * len(out.shape), out.spec)
-    pending = dict(rec.typed)
-    for eqn, full in equations(closed.jaxpr):
-        parts = "/".join(full).split("/")
-        if _pass_of(parts) != BACKWARD:
+def _spec_of(aval: Any) -> PartitionSpec | None:
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or not _explicit(getattr(sharding, "mesh", None)):
+        return None
+    return sharding.spec
+
+
+@dataclasses.dataclass
+class _Placed:
+    """A placing equation met in the walk, before its call site is labelled."""
+
+    pass_: str
+    module: str
+    site: Any  # the call chain (a tuple), or `@<index>` for a constrain() call
+    name: str | None  # known for constrain() calls
+    logical_axes: tuple[str | None, ...] | None
+    primitive: str
+    typed: bool
+    shape: tuple[int, ...]
+    dtype: str
+    spec: PartitionSpec
+
+
+def read_constraints(closed: ClosedJaxpr, rec: Recording) -> list[Constraint]:
+    """The activation placements of a jaxpr traced inside `rec`, sorted by key.
+
+    The same call site met several times (a forward placement and its rematerialised copy, a layer body
+    traced twice by scan, the layers of a Python loop) gives one entry. Two layouts under one derived
+    name get `-2`, `-3`... in trace order; under one given name (:func:`constrain`) they are an error in
+    the model code, and so is a named call site none of whose placements reached the jaxpr."""
+    placed, transposed = _walk(closed, rec)
+    labels = _site_labels({p.site for p in placed if isinstance(p.site, tuple)})
+    found: dict[tuple[str, str, str], list[Constraint]] = {}
+    typed: dict[tuple[str, Any], list[Constraint]] = {}  # call site -> its typed forward entries
+
+    def add(entry: Constraint, named: bool) -> Constraint:
+        variants = found.setdefault((entry.pass_, entry.module, entry.name), [])
+        layout = dataclasses.replace(entry, pass_="")
+        for seen in variants:
+            if dataclasses.replace(seen, pass_="") == layout:
+                return seen
+        if variants and named:
+            seen = variants[0]
+            raise ValueError(f"activation {entry.key}: constrained twice with different layouts "
+                             f"({seen.shape} {seen.logical_axes} vs {entry.shape} {entry.logical_axes}); "
+                             "give each constrain() call in a module its own name")
+        variants.append(entry)
+        return entry
+
+    for p in placed:
+        name, axes = p.name, p.logical_axes
+        if name is None:
+            if axes is None:
+                axes, name = (None,) * len(p.shape), f"{p.primitive}-{labels[p.site]}"
+            else:
+                name = _derived_name(axes)
+        entry = add(Constraint(p.module, name, p.pass_, p.shape, p.dtype, axes, p.spec), p.name is not None)
+        if p.typed and p.pass_ == FORWARD and entry not in typed.setdefault((p.module, p.site), []):
+            typed[(p.module, p.site)].append(entry)
+    for entry, named in _cotangents(transposed, typed, rec):
+        add(entry, named)
+    return _numbered(found, rec)
+
+
+def _walk(closed: ClosedJaxpr, rec: Recording) -> tuple[list[_Placed], list[tuple[JaxprEqn, str]]]:
+    """The placing equations of the jaxpr in trace order, and the transposed equations that may carry
+    a typed placement's cotangent."""
+    placed: list[_Placed] = []
+    transposed: list[tuple[JaxprEqn, str]] = []
+    any_typed = False  # transposed equations matter only after a typed placement (they follow it)
+    for eqn, full, siblings, index in _equations(closed, ()):
+        found = _placement(eqn)
+        if found is None and not (full and any_typed):
             continue
-        for index in {i for i in (_site_index(m, rec, "/".join(full)) for m in map(_MARKER.search, parts) if m)
-                      if i in pending}:
-            out = pending[index]
-            for var in eqn.invars:
-                aval = getattr(var, "aval", None)
-                sharding = getattr(aval, "sharding", None)
-                if (sharding is not None and tuple(getattr(aval, "shape", ())) == out.shape
-                        and aval.dtype.name == out.dtype and _explicit(sharding.mesh)):
-                    site = rec.sites[index]
-                    del pending[index]
-                    yield index, Constraint(site.module, site.name, BACKWARD, out.shape, out.dtype,
-                                            site.logical_axes or (None,) * len(out.shape), sharding.spec)
-                    break
+        stack = "/".join(full)
+        parts = stack.split("/")
+        pass_ = _pass_of(parts)
+        if pass_ == BACKWARD and (found is None or found[0]):
+            transposed.append((eqn, stack))
+            continue
+        if found is None:
+            continue
+        is_typed, sharding = found
+        any_typed = any_typed or is_typed
+        aval = eqn.outvars[0].aval
+        shape = tuple(getattr(aval, "shape", ()))
+        if not shape:
+            continue  # a scalar (e.g. a gradient's seed) is no activation
+        marks = [m for m in map(_MARKER.search, parts) if m]
+        if marks:
+            index = _site_index(marks[-1], rec, stack)
+            site = rec.sites[index]
+            placed.append(_Placed(pass_, _module_of(stack), f"@{index}", site.name, site.logical_axes,
+                                  eqn.primitive.name, is_typed, shape, aval.dtype.name, sharding.spec))
+            continue
+        origin = _origin(eqn)
+        if origin.parameter or not origin.chain or (is_typed and not origin.sharding_argument):
+            continue  # a parameter read, or a sharding jax chose itself
+        axes = None
+        if origin.logical and not is_typed and origin.file is not None:
+            axes = _literal_axes(origin.file, origin.line)
+            axes = axes if axes is not None and len(axes) == len(shape) else None
+        spec = sharding.spec
+        if is_typed:
+            aval = _result(eqn, siblings, index, origin.chain)
+            shape, spec = tuple(aval.shape), _spec_of(aval)
+            if spec is None:
+                continue
+        placed.append(_Placed(pass_, _module_of(stack), origin.chain, None, axes, eqn.primitive.name, is_typed,
+                              shape, aval.dtype.name, spec))
+    return placed, transposed
+
+
+def _cotangents(transposed: list[tuple[JaxprEqn, str]], typed: dict[tuple[str, Any], list[Constraint]],
+                rec: Recording) -> Iterator[tuple[Constraint, bool]]:
+    """The backward entries of typed placements: the type of the cotangent, read from the first
+    transposed equation of the same call site that consumes an array of the output's shape and dtype."""
+    pending = {(module, site, i): entry for (module, site), entries in typed.items() for i, entry in enumerate(entries)}
+    for eqn, stack in transposed:
         if not pending:
             return
+        shapes = {(c.shape, c.dtype) for c in pending.values()}
+        inputs = {}
+        for var in eqn.invars:
+            aval = getattr(var, "aval", None)
+            if aval is not None and hasattr(aval, "shape") and (tuple(aval.shape), aval.dtype.name) in shapes:
+                inputs.setdefault((tuple(aval.shape), aval.dtype.name), _spec_of(aval))
+        if not any(spec is not None for spec in inputs.values()):
+            continue
+        parts = stack.split("/")
+        marks = [m for m in map(_MARKER.search, parts) if m]
+        site: Any = f"@{_site_index(marks[-1], rec, stack)}" if marks else _origin(eqn).chain
+        module = _module_of(stack)
+        for key in [k for k in pending if k[0] == module and k[1] == site]:
+            entry = pending[key]
+            spec = inputs.get((entry.shape, entry.dtype))
+            if spec is not None:
+                del pending[key]
+                yield dataclasses.replace(entry, pass_=BACKWARD, partition_spec=spec), bool(marks)
+
+
+def _numbered(found: dict[tuple[str, str, str], list[Constraint]], rec: Recording) -> list[Constraint]:
+    out = []
+    for variants in found.values():
+        for rank, entry in enumerate(variants):
+            out.append(entry if rank == 0 else dataclasses.replace(entry, name=f"{entry.name}-{rank + 1}"))
+    traced = {c.name for c in out}
+    lost = sorted(s.name for s in rec.sites if s.name not in traced)
+    if lost:
+        raise ValueError(f"constrain() was called for {', '.join(dict.fromkeys(lost))} but no such constraint "
+                         "reached the traced step (is its result unused?)")
+    return sorted(out, key=lambda c: c.key)
 
 
 def record_activations(fn: Callable[..., Any], *args: Any, mesh: Any, rules: Any) -> list[Constraint]:
-    """Every activation constraint met while tracing `fn(*args)` on `mesh` (an `AbstractMesh` is
+    """Every activation placement met while tracing `fn(*args)` on `mesh` (an `AbstractMesh` is
     enough) under the logical axis `rules`; `args` may be abstract (`jax.ShapeDtypeStruct`)."""
     closed, rec = trace(fn, *args, mesh=mesh, rules=rules)
     return read_constraints(closed, rec)

@@ -44,6 +44,7 @@ class TensorLayout:
     logical_axes: LogicalAxes
     partition_spec: PartitionSpec
     mesh_sizes: Mapping[str, int]
+    source: str = "none"  # where the spec came from (core.placement.SOURCES); not written to goldens
 
     @property
     def per_device_shape(self) -> tuple[int, ...]:
@@ -109,14 +110,15 @@ def path_text(key_path: Sequence[Any]) -> str:
 
 
 def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
-    """(path, abstract array, logical axes) for every leaf, in path order (unboxed leaves have
-    no logical axes: all None)."""
+    """(path, abstract array, logical axes) for every leaf, in path order (an unboxed leaf has no
+    logical axes: `()`, which MaxText's logical dump writes `[]`, where a box of unnamed dimensions
+    writes one null per dimension)."""
     out = []
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
         if is_box(leaf):
             array, logical = leaf.value, tuple(leaf.names)
         else:
-            array, logical = leaf, (None,) * len(leaf.shape)
+            array, logical = leaf, ()
         out.append((path_text(key_path), array, logical))
     return sorted(out, key=lambda item: item[0])
 
@@ -127,16 +129,17 @@ def unbox(state: Any) -> Any:
 
 
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
-                transform: SpecTransform | None = None, spec: Sequence[Any] | None = None) -> TensorLayout:
+                transform: SpecTransform | None = None, spec: Sequence[Any] | None = None,
+                source: str = "none") -> TensorLayout:
     """The layout of one leaf: its logical axes resolved by `rules` on `mesh`, or `spec` (mesh axes
-    per dimension) when given."""
+    per dimension) when given; `source` says where they came from (core.placement.SOURCES)."""
     shape = tuple(int(d) for d in array.shape)
     spec = resolve(logical_axes, rules) if spec is None else PartitionSpec(*spec)
     if transform is not None:
         spec = transform(path, shape, spec)
     spec = NamedSharding(mesh, spec).spec  # the spec exactly as a NamedSharding on this mesh holds it
     return TensorLayout(path, shape, jax.numpy.dtype(array.dtype).name, tuple(logical_axes), spec,
-                        mesh_sizes(mesh))
+                        mesh_sizes(mesh), source)
 
 
 class PartitionRuleError(ValueError):
@@ -167,7 +170,7 @@ def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ..
     """(logical axes, mesh spec or None) of a parameter without logical axes, by the first path rule."""
     index = match_path_rule(path_rules, key) if shape else None
     if index is None:
-        return (None,) * len(shape), None
+        return (), None
     rule = path_rules[index]
     if len(rule.entries) > len(shape):
         raise PartitionRuleError(f"partition rule {rule.where or repr(rule.pattern)} ({rule.pattern!r}): "
@@ -179,56 +182,82 @@ def place_by_path(path_rules: Sequence[PathRule], key: str, shape: tuple[int, ..
     return (None,) * len(shape), tuple(rule.spec or ()) + pad
 
 
-def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform | None = None) -> list[TensorLayout]:
+def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform | None = None,
+                   declared: Mapping[str, PartitionSpec] | None = None) -> list[TensorLayout]:
     """The layout of every leaf of `state` (a pytree of abstract arrays, boxed with logical axes).
 
     A parameter without logical axes is placed by the rules' path rules (:class:`PathRule`), if any,
-    and the optimizer leaves derived from it (:class:`sharding_dump.core.optimizer.Slot`) follow it."""
+    and the optimizer leaves derived from it (:class:`sharding_dump.core.optimizer.Slot`) follow it.
+    `declared` ({leaf path: spec}) holds what the program placed itself
+    (:mod:`sharding_dump.core.placement`): those leaves keep that spec before anything else, and
+    their slots follow it. Each layout names its source."""
     from sharding_dump.core.optimizer import Slot
+    from sharding_dump.core.placement import source_of
 
     path_rules = path_rules_of(rules)
     boxed = sorted(((path_text(k), leaf) for k, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box)),
                    key=lambda item: item[0])
     prefix = "params/" if isinstance(state, Mapping) and "params" in state else ""
-    placed: dict[str, tuple[LogicalAxes, tuple | None]] = {}  # parameter key -> (logical, mesh spec)
+    placed: dict[str, tuple[LogicalAxes, tuple | None, str]] = {}  # parameter key -> (logical, mesh spec, source)
+
+    def own(path: str, leaf: Any) -> tuple[LogicalAxes, tuple | None, str]:
+        array = leaf.value if is_box(leaf) else leaf
+        logical = tuple(leaf.names) if is_box(leaf) else ()
+        spec = (declared or {}).get(path)
+        if spec is not None:
+            return logical, tuple(spec) + (None,) * (len(array.shape) - len(spec)), "type"
+        return logical, None, source_of(leaf) if any(n is not None for n in logical) else "none"
+
     for path, leaf in boxed:
         if isinstance(leaf, Slot) or not path.startswith(prefix):
             continue
-        array = leaf.value if is_box(leaf) else leaf
-        logical = tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)
-        spec = None
-        if path_rules and all(name is None for name in logical):
+        logical, spec, source = own(path, leaf)
+        if source == "none" and path_rules:
+            array = leaf.value if is_box(leaf) else leaf
             logical, spec = place_by_path(path_rules, path[len(prefix):], tuple(array.shape))
-        placed[path[len(prefix):]] = (logical, spec)
+            if spec is not None or any(n is not None for n in logical):
+                source = "regex"
+        placed[path[len(prefix):]] = (logical, spec, source)
     out = []
     for path, leaf in boxed:
         array = leaf.value if is_box(leaf) else leaf
         if isinstance(leaf, Slot):
-            param_logical, param_spec = placed.get(leaf.parameter, (None, None))
-            logical = tuple(leaf.names)
-            spec = None
-            if param_logical is not None and all(n is None for n in logical):  # placed by a path rule
-                logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims)
+            logical, spec, source = own(path, leaf)
+            param_logical, param_spec, param_source = placed.get(leaf.parameter, (None, None, "none"))
+            if source != "none":
+                source = param_source if source == "box" else source
+            elif param_logical or param_spec is not None:  # placed by a path rule or by its type
+                logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims) if param_logical else ()
                 if param_spec is not None:
                     spec = tuple(param_spec[d] if d is not None else None for d in leaf.dims)
+                placed_any = any(n is not None for n in logical) or any(e is not None for e in spec or ())
+                source = param_source if placed_any else "none"
         elif path.startswith(prefix):
-            logical, spec = placed[path[len(prefix):]]
+            logical, spec, source = placed[path[len(prefix):]]
         else:
-            logical, spec = (tuple(leaf.names) if is_box(leaf) else (None,) * len(array.shape)), None
-        out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec))
+            logical, spec, source = own(path, leaf)
+        out.append(leaf_layout(path, array, logical, mesh, rules, transform, spec, source))
     return out
 
 
 def typed_layouts(state: Any, sizes: Mapping[str, int]) -> list[TensorLayout]:
     """The layout of every leaf of a state traced on an Explicit-axis mesh, read from the sharding
     each leaf carries in its type (a leaf without one, e.g. a scalar JAX leaves unannotated, is
-    replicated); logical axes from the boxes as :func:`leaves` reads them."""
+    replicated); logical axes from the boxes as :func:`leaves` reads them. The harness placed the
+    state by its boxes, so a leaf's source is its box's (`box`, `params_axes`), else its type's."""
+    from sharding_dump.core.placement import source_of
+
     out = []
-    for path, array, logical in leaves(state):
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box):
+        array = leaf.value if is_box(leaf) else leaf
+        logical = tuple(leaf.names) if is_box(leaf) else ()
         sharding = getattr(array, "sharding", None)
         spec = sharding.spec if sharding is not None else PartitionSpec()
-        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical, spec, dict(sizes)))
-    return out
+        source = source_of(leaf) if any(n is not None for n in logical) else \
+            "type" if any(e is not None for e in spec) else "none"
+        out.append(TensorLayout(path_text(key_path), tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical,
+                                spec, dict(sizes), source))
+    return sorted(out, key=lambda t: t.path)
 
 
 def per_device_totals(layouts: Sequence[TensorLayout]) -> dict[str, int]:

@@ -72,7 +72,7 @@ def _parameters(params: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], tup
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_box):
         array = leaf.value if is_box(leaf) else leaf
         shape = tuple(int(d) for d in array.shape)
-        names = tuple(leaf.names) if is_box(leaf) else (None,) * len(shape)
+        names = tuple(leaf.names) if is_box(leaf) else ()  # unboxed: no logical axes, nor its slots
         out[tuple(path_text(key_path).split("/"))] = (shape, names)
     return out
 
@@ -179,7 +179,7 @@ def _slotter(known: dict[tuple[str, ...], Any], traced: Any) -> Any:
             if dims not in maps:
                 dims = (None,) * len(shape)
                 slot.ambiguous.append(f"{path} {shape} of {'/'.join(owner)} {param_shape}")
-        axes = tuple(names[d] if d is not None and d < len(names) else None for d in dims)
+        axes = tuple(names[d] if d is not None and d < len(names) else None for d in dims) if names else ()
         return Slot(value, names=axes, parameter="/".join(owner), dims=dims)
 
     slot.ambiguous = []

@@ -44,15 +44,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sharding_dump.core import state as core_state
-from sharding_dump.core.layout import is_box, unbox
+from sharding_dump.core.boundary import UserCodeError, guard
+from sharding_dump.core.layout import is_box, path_text, unbox
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_batch
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import shown
 
 SIZES = ("batch", "length")  # the symbolic sizes an Input's shape may name
 
 
-class ProgramError(BadInput):
-    """A call into the user's code failed or did not fit the interface: one line, exit status 2."""
+class ProgramError(UserCodeError):
+    """A call into the user's code failed or did not fit the interface, or a program was built with
+    an argument the interface does not take: one line, exit status 2."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,33 @@ class Input:
     shape: tuple[int | str, ...] = SIZES
     dtype: str = "int32"
     logical_axes: tuple[str | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        """Checked where it is written, so the line names the argument rather than a later trace."""
+        shape, axes = self.shape, self.logical_axes
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not all(
+                isinstance(d, str) and d in SIZES or isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                for d in shape):
+            raise ProgramError(f"Input(shape={shown(shape)}): give a tuple of sizes, each a whole number >= 0 or "
+                               f"one of {', '.join(map(repr, SIZES))}")
+        object.__setattr__(self, "shape", tuple(shape))
+        try:
+            numeric = jnp.issubdtype(jnp.dtype(self.dtype), jnp.number) or jnp.dtype(self.dtype) == jnp.bool_
+        except (TypeError, ValueError):
+            numeric = False
+        if not numeric:
+            raise ProgramError(f"Input(dtype={shown(self.dtype)}): not a numeric dtype; give a numpy or JAX dtype "
+                               "such as 'int32', 'float32' or 'bfloat16'")
+        if axes is None:
+            return
+        if isinstance(axes, (str, bytes)) or not isinstance(axes, Sequence) or not all(
+                a is None or isinstance(a, str) for a in axes):
+            raise ProgramError(f"Input(logical_axes={shown(axes)}): give a tuple of logical axis names (str) or None, "
+                               "one per dimension")
+        if len(axes) != len(self.shape):
+            raise ProgramError(f"Input(logical_axes={shown(axes)}): {len(axes)} names for a rank-{len(self.shape)} "
+                               f"shape {self.shape}; give one name (or None) per dimension")
+        object.__setattr__(self, "logical_axes", tuple(axes))
 
     def abstract(self, batch: int, length: int) -> jax.ShapeDtypeStruct:
         """This field for a batch of `batch` sequences of `length` tokens."""
@@ -141,21 +170,13 @@ def signature_text(fn: Any) -> str:
     return f"{name}({', '.join(str(p) for p in shown)})"
 
 
-def _first_line(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0].strip()}" if lines else type(err).__name__
-
-
 @contextlib.contextmanager
 def user_code(what: str, passed: str, expects: str) -> Iterator[None]:
-    """Runs the user's code; any exception it raises becomes one ProgramError line naming the call,
-    what was passed and what the interface expects (a BadInput from a nested guard passes through)."""
-    try:
+    """Runs the user's code at the boundary (:func:`sharding_dump.core.boundary.guard`): anything it
+    raises, a `sys.exit` or its time running out becomes one ProgramError line naming the call, what
+    was passed and what the interface expects (a BadInput from a nested guard, and Ctrl-C, pass through)."""
+    with guard(what, f"the harness passed {passed}; {expects}", error=ProgramError):
         yield
-    except BadInput:
-        raise
-    except Exception as err:  # noqa: BLE001: anything the user's code raises is reported, not a traceback
-        raise ProgramError(f"{what} failed with {_first_line(err)} (the harness passed {passed}; {expects})") from None
 
 
 # --- level 1: the model and how to call it ------------------------------------------------------------
@@ -185,6 +206,46 @@ class ModelProgram:
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     logits: Any = None
     rngs: tuple[str, ...] | None = None  # None: data/program.yml's rng_streams
+
+    def __post_init__(self) -> None:
+        """Every argument checked where it is given: one line naming it and what would be valid."""
+        if not isinstance(self.model, (nn.Module, _nnx().Module)) and not callable(self.model):
+            raise ProgramError(f"ModelProgram(model={describe(self.model)}): give a Flax linen or NNX module, or a "
+                               "zero-argument function returning one")
+        if self.call is not None and not callable(self.call):
+            raise ProgramError(f"ModelProgram(call={describe(self.call)}): give None or a function "
+                               "call(model, batch, rngs) returning the model's output")
+        if not isinstance(self.inputs, Mapping):
+            raise ProgramError(f"ModelProgram(inputs={describe(self.inputs)}): give a mapping, keyword -> Input(...) "
+                               "or a function of the batch, e.g. inputs={'segment_ids': Input()}")
+        for name, value in self.inputs.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ProgramError(f"ModelProgram(inputs=...): key {shown(name)}: give the keyword the model's call "
+                                   "takes (an identifier)")
+            if not isinstance(value, Input) and not callable(value):
+                raise ProgramError(f"ModelProgram(inputs=...): {name!r} is {describe(value)}; give an Input(shape, "
+                                   "dtype, logical_axes) or a function of the batch")
+        if self.positions is not None and not (isinstance(self.positions, str) and (
+                self.positions == "auto" or self.positions.isidentifier())):
+            raise ProgramError(f"ModelProgram(positions={describe(self.positions)}): give 'auto', None or the "
+                               "keyword the model's call takes the positions under")
+        if not isinstance(self.kwargs, Mapping) or not all(isinstance(k, str) and k.isidentifier()
+                                                           for k in self.kwargs):
+            raise ProgramError(f"ModelProgram(kwargs={describe(self.kwargs)}): give a mapping, keyword (an "
+                               "identifier) -> constant argument")
+        logits = self.logits
+        if not (logits is None or callable(logits) or isinstance(logits, str)
+                or isinstance(logits, int) and not isinstance(logits, bool)):
+            raise ProgramError(f"ModelProgram(logits={describe(logits)}): give None (the output, its .logits or the "
+                               "first element of a tuple), an attribute or key name, an index, or a function of "
+                               "the output")
+        rngs = self.rngs
+        if isinstance(rngs, str):
+            rngs = (rngs,)
+        if rngs is not None and (not isinstance(rngs, Sequence) or not all(isinstance(r, str) and r for r in rngs)):
+            raise ProgramError(f"ModelProgram(rngs={describe(self.rngs)}): give None (the streams of "
+                               "data/program.yml) or a tuple of RNG stream names, e.g. ('dropout',)")
+        object.__setattr__(self, "rngs", None if rngs is None else tuple(rngs))
 
     def streams(self) -> tuple[str, ...]:
         return default_streams() if self.rngs is None else tuple(self.rngs)
@@ -281,9 +342,10 @@ class ModelProgram:
             else:
                 logits = output
         tokens = batch["inputs"].shape
-        if getattr(logits, "ndim", None) != 3 or tuple(logits.shape[:2]) != tuple(tokens):
-            raise ProgramError(f"the model's output {describe(output)} holds no logits [batch, length, vocab] for "
-                               f"tokens {describe(batch['inputs'])}; name them with ModelProgram(logits=...): an "
+        if getattr(logits, "ndim", None) != 3 or tuple(logits.shape[:2]) != tuple(tokens) \
+                or not jnp.issubdtype(logits.dtype, jnp.floating):
+            raise ProgramError(f"the model's output {describe(output)} holds no float logits [batch, length, vocab] "
+                               f"for tokens {describe(batch['inputs'])}; name them with ModelProgram(logits=...): an "
                                "attribute or key, an index, or a function of the output")
         return logits
 
@@ -315,6 +377,22 @@ class TrainProgram:
     train_step: Callable[[Any, dict[str, jax.Array]], tuple[Any, Any]]
     batch: Mapping[str, Input] = dataclasses.field(default_factory=lambda: dict(TOKEN_BATCH))
 
+    def __post_init__(self) -> None:
+        """Every argument checked where it is given: one line naming it and what would be valid."""
+        for name, fn, form in (("init", self.init, "init(key) -> state"),
+                               ("train_step", self.train_step, "train_step(state, batch) -> (state, metrics)")):
+            if not callable(fn):
+                raise ProgramError(f"TrainProgram({name}={describe(fn)}): give a function {form}")
+        if not isinstance(self.batch, Mapping) or not self.batch:
+            raise ProgramError(f"TrainProgram(batch={describe(self.batch)}): give a non-empty mapping, field name -> "
+                               "Input(shape, dtype, logical_axes), e.g. {'inputs': Input(), 'targets': Input()}")
+        for name, field in self.batch.items():
+            if not isinstance(name, str) or not name:
+                raise ProgramError(f"TrainProgram(batch=...): field name {shown(name)}: give a non-empty str")
+            if not isinstance(field, Input):
+                raise ProgramError(f"TrainProgram(batch=...): field {name!r} is {describe(field)}; give an "
+                                   "Input(shape, dtype, logical_axes)")
+
     def batch_fields(self) -> dict[str, Input]:
         for name, field in self.batch.items():
             if not isinstance(field, Input):
@@ -324,10 +402,24 @@ class TrainProgram:
         return dict(self.batch)
 
     def abstract_state(self, key: jax.Array) -> Any:
-        """`init(key)` under `jax.eval_shape` (call it inside the case's mesh and rules)."""
+        """`init(key)` traced once, abstractly (call it inside the case's mesh and rules): see
+        :meth:`placed_state`."""
+        return self.placed_state(key)[0]
+
+    def placed_state(self, key: jax.Array) -> tuple[Any, dict[str, PartitionSpec]]:
+        """`init(key)` traced once, abstractly, and {leaf path: spec} of every leaf the program placed
+        itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint, or the sharding in its
+        type on an Explicit mesh), each such leaf carrying that sharding in its type, on an Auto mesh
+        as on an Explicit one (:mod:`sharding_dump.core.placement`)."""
+        from sharding_dump.core.placement import declared_specs, placed_outputs
+
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
-            return jax.eval_shape(self.init, key)
+            closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
+        if not jax.tree.leaves(shapes):
+            raise ProgramError(f"the program's init {_name(self.init)} returned {describe(shapes)}, a state with no "
+                               "arrays; the interface expects the training state: its parameters and optimizer state")
+        return placed_outputs(shapes, declared_specs(closed), jax.sharding.get_abstract_mesh())
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""
@@ -342,16 +434,66 @@ class TrainProgram:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ProgramError(f"the program's train_step {_name(self.train_step)} returned {describe(out)}; "
                                    "the interface expects a pair (new state, metrics)")
-            if jax.tree.structure(out[0]) != jax.tree.structure(state):
-                raise ProgramError(f"the program's train_step {_name(self.train_step)} returned a state of another "
-                                   "structure than init's; the interface expects the new state to have the same "
-                                   "structure as the state it was given")
+            check_step_output(_name(self.train_step), state, *out)
             return out
 
         return step
 
 
 Program = ModelProgram | TrainProgram
+
+# --- Hugging Face Flax models -----------------------------------------------------------------------------
+
+HF_PRETRAINED = "FlaxPreTrainedModel"  # transformers' base class of every Flax model a user holds
+
+
+def hf_module(obj: Any) -> nn.Module | None:
+    """The linen module of a Hugging Face Flax model: a `FlaxPreTrainedModel`'s `.module`, or such a
+    module itself (a linen module defined in `transformers.models`); None for anything else. Read
+    from the object's class, so transformers is never imported here."""
+    if any(cls.__name__ == HF_PRETRAINED for cls in type(obj).__mro__) and isinstance(
+            getattr(obj, "module", None), nn.Module):
+        return obj.module
+    if isinstance(obj, nn.Module) and type(obj).__module__.startswith("transformers.models."):
+        return obj
+    return None
+
+
+def hf_program(module: nn.Module) -> ModelProgram:
+    """A Hugging Face Flax module called as HF's own Flax training scripts call it (run_clm_flax):
+    `input_ids`, an all-ones `attention_mask` (a batch of full sequences), `position_ids`, dropout
+    on (`deterministic=False`, the `dropout` stream); the logits are the output's `.logits`."""
+    return ModelProgram(module, positions="position_ids",
+                        inputs={"attention_mask": _all_ones}, kwargs={"deterministic": False})
+
+
+def _all_ones(batch: dict[str, Any]) -> jax.Array:
+    return jnp.ones_like(batch["inputs"])
+
+
+def check_step_output(name: str, state: Any, new_state: Any, metrics: Any) -> None:
+    """ProgramError naming the first leaf of the step's output that is not what the next step could
+    take: a new state of another tree than the state given, a leaf of another shape or dtype, or a
+    leaf (of the state, or of the metrics) that is no array."""
+    what = f"the program's train_step {name} returned"
+    expects = "the interface expects the new state to have the tree, shapes and dtypes of the state it was given"
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
+        old_paths = {path_text(k) for k, _ in jax.tree_util.tree_leaves_with_path(state)}
+        new_paths = {path_text(k) for k, _ in jax.tree_util.tree_leaves_with_path(new_state)}
+        differs = sorted(old_paths ^ new_paths)
+        first = f": {'missing' if differs[0] in old_paths else 'new'} leaf {differs[0]}" if differs else ""
+        raise ProgramError(f"{what} a state of another tree than init's{first}; {expects}")
+    for (key, old), new in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(new_state)):
+        path = path_text(key) or "(the state)"
+        if not (hasattr(new, "shape") and hasattr(new, "dtype")):
+            raise ProgramError(f"{what} {describe(new)} at {path}, not an array; {expects}")
+        if tuple(new.shape) != tuple(old.shape) or jnp.dtype(new.dtype) != jnp.dtype(old.dtype):
+            raise ProgramError(f"{what} {describe(new)} at {path}, where the state it was given holds "
+                               f"{describe(old)}; {expects}")
+    for key, leaf in jax.tree_util.tree_leaves_with_path(metrics):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(leaf, (int, float, complex)):
+            raise ProgramError(f"{what} metrics with {describe(leaf)} at {path_text(key) or '(the metrics)'}, not an "
+                               "array or a number; the interface expects metrics of arrays, e.g. {'loss': loss}")
 
 
 def as_program(obj: Any, name: str = "") -> Program:
@@ -362,6 +504,8 @@ def as_program(obj: Any, name: str = "") -> Program:
 
     if isinstance(obj, (ModelProgram, TrainProgram)):
         return obj
+    if hf_module(obj) is not None:
+        return hf_program(hf_module(obj))
     if isinstance(obj, (nn.Module, nnx.Module)):
         return ModelProgram(obj)
     if not callable(obj):
@@ -389,10 +533,13 @@ def as_program(obj: Any, name: str = "") -> Program:
     built = other[0] if other else abstract
     if isinstance(built, (ModelProgram, TrainProgram)):
         return built
+    if hf_module(built) is not None:
+        return hf_program(hf_module(built))
     if isinstance(built, (nn.Module, nnx.Module)):
         return ModelProgram(built)
     raise ProgramError(f"the model factory {name or _name(obj)} returned {type(built).__name__}; the interface "
-                       "expects a Flax linen or NNX module, a ModelProgram or a TrainProgram")
+                       "expects a Flax linen or NNX module, a Hugging Face FlaxPreTrainedModel, a ModelProgram or a "
+                       "TrainProgram")
 
 
 def _nnx() -> Any:

@@ -106,4 +106,45 @@ def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
     >>> match_path_rule([PathRule("attention/w[qkv]/kernel"), PathRule(".*")], "h/0/attention/wq/kernel")
     0
     """
-    return next((i for i, r in enumerate(path_rules) if re.search(r.pattern, path)), None)
+    from sharding_dump.core.boundary import bounded_regexes
+
+    with bounded_regexes() as search:  # the searches of one path, bounded: a rule file's regex may backtrack
+        return next((i for i, r in enumerate(path_rules)
+                     if search(r.pattern, path, f"partition rule {r.where or repr(r.pattern)}")), None)
+
+
+# A leaf's path as the goldens write it: the train state's pytree path, '/'-joined, each element by its
+# name (dict key, attribute or index). A trainer that dumps `jax.tree_util` key paths as text (MaxText's
+# sharding dump: `"/".join(str(key) for key in path)`) writes the same elements in jax's key syntax:
+# `.attribute`, `['key']`, `[index]`.
+_PATH_ELEMENT = re.compile(r"""\.(?P<attr>[A-Za-z_]\w*)|\[(?P<index>-?\d+)\]|\[(?P<q>['"])(?P<key>.*?)(?P=q)\]""")
+COLLECTION = "params"  # a linen model's variable collection, which the goldens' paths do not repeat
+
+
+def leaf_path(key_text: str) -> str:
+    """The golden path of a leaf whose jax key path is written as text (`/`-joined `str()` of its keys).
+
+    Each element is written by its name; a dict key `params` right under an attribute (`TrainState.params`,
+    an optimizer slot such as `.mu`) is a linen variable collection holding the modules, not a module,
+    and is no level of the path. Raises ValueError naming the element that is not jax's key syntax.
+
+    >>> leaf_path(".opt_state/[0]/.mu/['params']/['decoder']/['pipeline_module']/['layers']/['mlp']")
+    'opt_state/0/mu/decoder/pipeline_module/layers/mlp'
+    >>> leaf_path(".step"), leaf_path("['params']/['params']/['dense']")  # under a dict key it is a level
+    ('step', 'params/params/dense')
+    """
+    if key_text.endswith("/"):
+        raise ValueError(f"{key_text!r}: ends with '/' (no element after it)")
+    names: list[str] = []
+    under_attribute = False
+    at = 0
+    while at < len(key_text):
+        match = _PATH_ELEMENT.match(key_text, at)
+        if match is None or (match.end() < len(key_text) and key_text[match.end()] != "/"):
+            raise ValueError(f"{key_text!r}: element at character {at} is not a jax key (.name, ['key'] or [index])")
+        name = match.group("attr") or match.group("index") or match.group("key")
+        if not (under_attribute and match.group("key") == COLLECTION):
+            names.append(name)
+        under_attribute = match.group("attr") is not None
+        at = match.end() + 1
+    return "/".join(names)

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharding_dump.core.capture import note_nnx_modules
 from sharding_dump.core.layout import is_box, leaves, path_rules_of, path_text, place_by_path, unbox
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import Slot, optimizer_state
+from sharding_dump.core.placement import AXES_COLLECTION, box_params_axes
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 ApplyFn = Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]  # (raw params, batch, rng keys) -> output
@@ -207,8 +207,10 @@ def _linen_model(module: nn.Module, call: CallFn, fields: dict[str, jax.ShapeDty
     def abstract_params() -> Any:
         def init(key: jax.Array) -> Any:
             keys = {"params": key, **{s: jax.random.fold_in(key, i + 1) for i, s in enumerate(streams)}}
-            return module.init(keys, init_batch(fields), keys, method=_call_method(call))["params"]
-        return jax.eval_shape(init, abstract_key())
+            variables = module.init(keys, init_batch(fields), keys, method=_call_method(call))
+            return {name: variables[name] for name in ("params", AXES_COLLECTION) if name in variables}
+        # the older flax API's `params_axes` (param_with_axes) boxes each parameter with its names
+        return box_params_axes(jax.eval_shape(init, abstract_key()))["params"]
 
     def apply(params: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
         return module.apply({"params": params}, batch, rngs, rngs=rngs or None, method=_call_method(call))
@@ -258,7 +260,6 @@ def _nnx_model(abstract_module: Any, call: CallFn) -> Model:
             values.append((path, var.replace(node)))
         rest_values = jax.tree.map(_concrete_placeholder, rest)
         module = nnx.merge(graphdef, nnx.from_flat_state(values), rest_values)
-        note_nnx_modules(module)
         return call(module, batch, rngs)
 
     return Model("nnx", abstract_params, apply)

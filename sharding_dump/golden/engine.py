@@ -35,6 +35,7 @@ class Outcome:
     report: str = ""
     files: tuple[str, ...] = ()  # golden files written
     removed: tuple[str, ...] = ()  # stray names removed from the case folder
+    replaced: tuple[str, ...] = ()  # golden paths replaced unread, each with what it was (update's repair)
     case: Any = None  # the zoo Case, when the folder belongs to one
 
     @property
@@ -146,18 +147,38 @@ def _normal_mode(path: Path) -> bool:
 
 
 
-def read_folder(folder: Path) -> dict[str, bytes | None]:
+def read_folder(folder: Path, unread: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
     """The golden files of a folder (None where absent); anything but readable regular files is
-    BadInput, before any work is done."""
-    return {name: _golden_bytes(folder / name) for name in GOLDEN_FILE_NAMES}
+    BadInput, before any work is done. Names in `unread` (what :func:`replaceable` found) are not
+    read: they hold b"", which no dump equals."""
+    return {name: b"" if name in (unread or {}) else _golden_bytes(folder / name) for name in GOLDEN_FILE_NAMES}
+
+
+def replaceable(folder: Path) -> dict[str, str]:
+    """Golden paths of a case folder that an update replaces without reading them, name -> what is
+    there: a folder where a golden file belongs, or a regular file above the size limit (a check
+    refuses both; an update writes the dump in their place). A link, FIFO or device stays refused."""
+    out = {}
+    for name in GOLDEN_FILE_NAMES:
+        try:
+            info = os.lstat(folder / name)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            out[name] = "a folder"
+        elif stat.S_ISREG(info.st_mode) and info.st_size > codec.GOLDEN_MAX_BYTES:
+            out[name] = f"a file of {info.st_size} bytes, above the limit of {codec.GOLDEN_MAX_BYTES}"
+    return out
 
 
 def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], update: bool, label: str | None = None,
-                           command: str = UPDATE_HINT, current: Mapping[str, bytes | None] | None = None) -> Outcome:
+                           command: str = UPDATE_HINT, current: Mapping[str, bytes | None] | None = None,
+                           replaced: Mapping[str, str] | None = None) -> Outcome:
     """The one check-or-update engine: compares `documents` ({file name: JSON document, or its
     canonical bytes}) with the golden `folder`, or (update=True) replaces the folder as a whole when
     anything differs (golden files no longer produced, stray files and temps of a killed run go
-    with the old folder). `current` is the folder as :func:`read_folder` read it, if already read.
+    with the old folder). `current` is the folder as :func:`read_folder` read it, if already read;
+    `replaced` what it left unread (:func:`replaceable`), which the outcome names.
 
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp()) / "tiny"
@@ -192,7 +213,8 @@ def check_or_update_folder(folder: str | Path, documents: Mapping[str, Any], upd
     check_root(folder)
     carried = {name: codec.read_regular(folder / name) for name in _listing(folder) if store.is_companion(name)}
     store.write_case_folder(folder, {**carried, **fresh})
-    return Outcome(label, folder, "written", files=tuple(written + stale), removed=tuple(extras))
+    return Outcome(label, folder, "written", files=tuple(written + stale), removed=tuple(extras),
+                   replaced=tuple(f"{name} ({what})" for name, what in sorted((replaced or {}).items())))
 
 
 def summary_line(counts: Mapping[str, int]) -> str:

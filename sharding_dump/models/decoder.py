@@ -18,7 +18,7 @@ import jax
 
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import BLE, Embed, output_logits
+from sharding_dump.models.layers import BLE, Embed, RMSNorm, output_logits
 from sharding_dump.models.pipeline import PipelineConfig, apply_layer_stack, stage_as_data
 
 
@@ -40,6 +40,12 @@ class Stack:
     outside_first: bool = False
     scanned: bool = True
     options: tuple[tuple[str, Any], ...] = ()
+    unit_layers: int = 1  # the model's layers in one copy of `layer` (a scanned block holds several)
+
+    @property
+    def model_layers(self) -> int:
+        """The decoder layers the stack holds, as the card counts them."""
+        return self.length * self.unit_layers
 
 
 class LayerCycle(nn.Module):
@@ -69,9 +75,13 @@ class Decoder(nn.Module):
     stacks: tuple[Stack, ...]
     pipeline: PipelineConfig | None = None
     shared_embedding: Embed | None = None
+    norm: type[nn.Module] = RMSNorm  # the final norm's module, built with cfg
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        if self.cfg.trainable_position_size > 0:  # learned absolute positions (MaxText's GPT-3)
+            table = Embed(self.cfg, self.cfg.trainable_position_size, name="position_embedder")
+            x = x + table(positions)
         for stack in self.stacks:
             if not stack.scanned:
                 x, _ = stack.layer(self.cfg, name=stack.name, **dict(stack.options))(x, positions)
@@ -83,7 +93,7 @@ class Decoder(nn.Module):
                 with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
                     x = apply_layer_stack(self.cfg, None, stack.layer, stack.length, x, positions, name=stack.name,
                                           axis=stack.axis)
-        return output_logits(self.cfg, x, self.shared_embedding)
+        return output_logits(self.cfg, x, self.shared_embedding, self.norm)
 
 
 class DecoderLM(nn.Module):
@@ -102,24 +112,53 @@ class DecoderLM(nn.Module):
     card_fields: ClassVar[tuple[str, ...]] = ()
     required_fields: ClassVar[tuple[str, ...]] = ()
     equal_fields: ClassVar[tuple[tuple[str, str], ...]] = ()
+    final_norm: ClassVar[type[nn.Module]] = RMSNorm
 
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
         """The decoder's layer stacks, in order."""
-        return (Stack(cls.layer, cfg.num_decoder_layers // cfg.inhomogeneous_layer_cycle_interval, pipelined=True),)
+        cycle = cfg.inhomogeneous_layer_cycle_interval
+        return (Stack(cls.layer, cfg.num_decoder_layers // cycle, pipelined=True, unit_layers=cycle),)
+
+    @classmethod
+    def pipeline_stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
+        """The stacks of a pipelined run, as MaxText builds them: its `pipeline_parallel_layers` (and the
+        layers it leaves outside the pipeline) count the pipelined stack's unit, whatever that unit holds,
+        and default to `num_decoder_layers` less the layers of the other stacks (DeepSeek: its MoE layers).
+        So where the unit is a scanned block of k layers, the pipelined run builds k times the model's
+        layers of that stack (gemma4-31b: 60 blocks of 6 layers, 360 layers)."""
+        stacks = cls.stacks(cfg)
+        others = sum(s.model_layers for s in stacks if not s.pipelined)
+        return tuple(dataclasses.replace(s, length=cfg.num_decoder_layers - others) if s.pipelined else s
+                     for s in stacks)
 
     def setup(self) -> None:
         self.token_embedder = Embed(self.cfg)
         shared = self.token_embedder if self.cfg.logits_via_embedding else None
-        self.decoder = Decoder(self.cfg, self.stacks(self.cfg), self.pipeline, shared)
+        stacks = self.stacks(self.cfg) if self.pipeline is None else self.pipeline_stacks(self.cfg)
+        self.decoder = Decoder(self.cfg, stacks, self.pipeline, shared, self.final_norm)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
         return self.decoder(x, positions)
 
 
-def pipelined_length(family: type, cfg: ModelConfig) -> int | None:
-    """Length of the stack a pipeline cuts into stages (None: the family has none)."""
-    stacks = getattr(family, "stacks", None)
-    found = [s.length for s in stacks(cfg) if s.pipelined] if stacks is not None else []
+def pipelined_stack(family: type, cfg: ModelConfig) -> Stack | None:
+    """The stack a pipeline cuts into stages, its length in MaxText's count of its units (None: the
+    family has none)."""
+    stacks = getattr(family, "pipeline_stacks", None)
+    found = [s for s in stacks(cfg) if s.pipelined] if stacks is not None else []
     return found[0] if found else None
+
+
+def pipelined_length(family: type, cfg: ModelConfig) -> int | None:
+    """Length of the stack a pipeline cuts into stages, in units (None: the family has none)."""
+    stack = pipelined_stack(family, cfg)
+    return None if stack is None else stack.length
+
+
+def built_layers(family: type, cfg: ModelConfig, pipelined: bool) -> int:
+    """The decoder layers the family builds for `cfg`, as the card counts them: the card's
+    `num_decoder_layers` without a pipeline; with one, what MaxText's count of units builds."""
+    stacks = family.pipeline_stacks(cfg) if pipelined else family.stacks(cfg)
+    return sum(s.model_layers for s in stacks)

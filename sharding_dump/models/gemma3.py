@@ -15,6 +15,9 @@ Parameter tree (k = 0..5 within a block)::
     decoder/layers/layers_<k>/mlp/{wi_0,wi_1,wo}/kernel              as the dense decoder
     decoder/layers_remainder/layers_<k>/...                          the same without the layer axis
     decoder/decoder_norm/scale                                       (norm)
+
+Pipelined, MaxText stacks single layers instead (`num_decoder_layers` of them, each sliding-window,
+its layer's default), so the stages hold `decoder/layers/stages/{self_attention,mlp,...}`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ class Gemma3DecoderLayer(nn.Module):
         return sandwich_block(self.cfg, x, positions, sliding_window=self.sliding_window, qk_norm=True)
 
 
+class Gemma3PipelineLayer(Gemma3DecoderLayer):
+    """The unit MaxText pipelines: one layer, sliding-window (its layer's default attention type)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        x = constrain(x, BLE, "layer_input")
+        return sandwich_block(self.cfg, x, positions, sliding_window=self.cfg.sliding_window_size, qk_norm=True), None
+
+
 class Gemma3Block(nn.Module):
     """`num_layers` consecutive layers of the pattern, named layers_0 ..."""
 
@@ -69,7 +81,13 @@ class Gemma3DecoderLM(DecoderLM):
     @classmethod
     def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
         full, rest = divmod(cfg.num_decoder_layers, PATTERN)
-        stacks = (Stack(Gemma3Block, full, "layers", pipelined=True),) if full else ()
+        stacks = (Stack(Gemma3Block, full, "layers", pipelined=True, unit_layers=PATTERN),) if full else ()
         if rest:
-            stacks += (Stack(Gemma3Block, 1, "layers_remainder", scanned=False, options=(("num_layers", rest),)),)
+            stacks += (Stack(Gemma3Block, 1, "layers_remainder", scanned=False, options=(("num_layers", rest),),
+                             unit_layers=rest),)
         return stacks
+
+    @classmethod
+    def pipeline_stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
+        """MaxText pipelines Gemma 3 one layer at a time (every one sliding-window), with no remainder."""
+        return (Stack(Gemma3PipelineLayer, cfg.num_decoder_layers, "layers", pipelined=True),)

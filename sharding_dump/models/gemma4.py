@@ -165,4 +165,4 @@ class Gemma4DecoderLM(DecoderLM):
         if rest:
             raise ValueError(f"{cfg.name}: the gemma4 block builds whole blocks of {PATTERN} layers; "
                              f"num_decoder_layers {cfg.num_decoder_layers} leaves {rest} over")
-        return (Stack(Gemma4Block, blocks, "scanned_blocks", axis="layers", pipelined=True),)
+        return (Stack(Gemma4Block, blocks, "scanned_blocks", axis="layers", pipelined=True, unit_layers=PATTERN),)

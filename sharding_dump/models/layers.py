@@ -72,12 +72,14 @@ class RMSNorm(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token embedding table (vocab, embed_vocab); `attend` gives tied output logits."""
+    """Token embedding table (vocab, embed_vocab); `attend` gives tied output logits. With
+    `num_embeddings`, a table of that many rows (MaxText's learned positions, on the same axes)."""
 
     cfg: ModelConfig
+    num_embeddings: int = 0  # 0: the vocabulary
 
     def setup(self) -> None:
-        self.embedding = weight_param(self, "embedding", (self.cfg.vocab_size, self.cfg.emb_dim),
+        self.embedding = weight_param(self, "embedding", (self.num_embeddings or self.cfg.vocab_size, self.cfg.emb_dim),
                                       ("vocab", "embed_vocab"), self.cfg, nn.initializers.normal(1.0))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -112,10 +114,12 @@ def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn
     )
 
 
-def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | None" = None) -> jax.Array:
-    """Final norm and output projection (through the tied embedding, or an own `logits_dense` kernel),
-    constrained as logits. Call it from a decoder's compact `__call__`: the modules land in its scope."""
-    x = RMSNorm(cfg, name="decoder_norm")(x)
+def output_logits(cfg: ModelConfig, x: jax.Array, shared_embedding: "Embed | None" = None,
+                  norm: type[nn.Module] = RMSNorm) -> jax.Array:
+    """Final norm (`norm`, built with cfg) and output projection (through the tied embedding, or an own
+    `logits_dense` kernel), constrained as logits. Call it from a decoder's compact `__call__`: the
+    modules land in its scope."""
+    x = norm(cfg, name="decoder_norm")(x)
     if shared_embedding is not None:
         logits = shared_embedding.attend(x)
     else:

@@ -11,18 +11,24 @@ run as a plain scan with `stage` acting as one more data axis for their activati
 pipeline (logical layer axis `layers_outside_pipeline`), or, for DeepSeek, before it together with
 the dense layers (`moe_layers`).
 
-Weights (what the goldens see): a stage's weights get the stage at axis 0, named `layers` (mapped to
-`stage` by the rules), and the repeat before it, named `circular_repeats` (when R > 1). A stage of one
-layer has no further layer axis; a stage of K > 1 layers holds `layers_0` .. `layers_<K-1>` (or, with
-`scan_layers_per_stage=true`, one scan whose layer axis `layers_per_stage` sits at position 1)::
+Weights (what the goldens see), at MaxText's paths: the pipeline is `decoder/pipeline_module`, its
+stacked stage `layers`; a stage's weights get the stage at axis 0, named `layers` (mapped to `stage`
+by the rules), and the repeat before it, named `circular_repeats` (when R > 1). A stage of one layer
+has no further layer axis; a stage of K > 1 layers holds `layers_0` .. `layers_<K-1>` (or, with
+`scan_layers_per_stage=true`, one scan `scanned_layers` whose layer axis `layers_per_stage` sits at
+position 1)::
 
-    K = 1:        decoder/layers/stages/mlp/wi_0/kernel            [R,] N, embed, mlp
-    K > 1:        decoder/layers/stages/layers_<k>/mlp/wi_0/kernel [R,] N, embed, mlp
-    K > 1, scan:  decoder/layers/stages/mlp/wi_0/kernel            [R,] N, embed, K, mlp
+    K = 1:        decoder/pipeline_module/layers/mlp/wi_0/kernel                [R,] N, embed, mlp
+    K > 1:        decoder/pipeline_module/layers/layers_<k>/mlp/wi_0/kernel     [R,] N, embed, mlp
+    K > 1, scan:  decoder/pipeline_module/layers/scanned_layers/mlp/wi_0/kernel [R,] N, embed, K, mlp
 
-For gpt-oss the unit of the stack is a block of `inhomogeneous_layer_cycle_interval` layers, so P and
-K count blocks (MaxText pipelines the same blocks but counts them as layers, which would stack twice
-the model's layers; we keep the model's own size).
+The layers left out are `decoder/layers_outside_pipeline` (DeepSeek: `decoder/moe_layers`).
+
+P and K count the units of the pipelined stack as MaxText does, whatever a unit holds, and P
+defaults to the card's `num_decoder_layers` (less the layers of the other stacks): where the unit
+is a scanned block of k layers (gpt-oss 2, olmo3, llama4, qwen3-next 4, gemma4 6), the pipelined run
+builds k times the model's layers, as MaxText's does (`DecoderLM.pipeline_stacks`; `check` reports
+it). Gemma 3 pipelines single layers.
 
 Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
 
@@ -59,7 +65,8 @@ STAGE_AXIS = "stage"  # the mesh axis
 STAGE_LOGICAL = "layers"  # the logical name of a weight's stage dimension
 REPEAT_LOGICAL = "circular_repeats"
 LAYERS_PER_STAGE_LOGICAL = "layers_per_stage"
-OUTSIDE_LOGICAL = "layers_outside_pipeline"  # layer axis of the layers a pipeline leaves out (no rule: unsharded)
+OUTSIDE_LOGICAL = "layers_outside_pipeline"  # name and layer axis of the layers left out (no rule: unsharded)
+PIPELINE_NAME, STAGES_NAME = "pipeline_module", "layers"  # MaxText's module names: decoder/pipeline_module/layers
 Rules = tuple[tuple[str, Any], ...]  # logical axis rules, as flax holds them
 STAGE_BUFFER_AXES = ("activation_stage", "activation_batch", "activation_length", "activation_embed")
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +128,31 @@ def _sequential(layer: type[nn.Module], count: int) -> type[nn.Module]:
     return type(f"Sequential{layer.__name__}", (SequentialLayers,), {"layer": layer, "count": count})
 
 
+class ScannedLayers(nn.Module):
+    """`count` copies of `layer` scanned as `scanned_layers` (MaxText's name for a stage's scan):
+    a stage of several scanned layers. Subclassed per (layer, count) by :func:`_stage_module`."""
+
+    cfg: ModelConfig
+    layer: ClassVar[type[nn.Module]]
+    count: ClassVar[int]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        scanned = scan_layers(self.layer, self.count, LAYERS_PER_STAGE_LOGICAL)
+        return scanned(self.cfg, name="scanned_layers")(x, positions)
+
+
+@functools.cache
+def _scanned(layer: type[nn.Module], count: int) -> type[nn.Module]:
+    return type(f"Scanned{layer.__name__}", (ScannedLayers,), {"layer": layer, "count": count})
+
+
 def _stage_module(layer: type[nn.Module], pp: PipelineConfig) -> type[nn.Module]:
     """The layers of one stage as a module class: the layer itself, `layers_<i>`, or a scan of them."""
     if pp.layers_per_stage == 1:
         return layer
     if pp.scan_layers_per_stage:
-        return scan_layers(layer, pp.layers_per_stage, LAYERS_PER_STAGE_LOGICAL)
+        return _scanned(layer, pp.layers_per_stage)
     return _sequential(layer, pp.layers_per_stage)
 
 
@@ -225,13 +251,13 @@ class Pipeline(nn.Module):
         lead = (pp.num_repeats, pp.num_stages) if pp.num_repeats > 1 else (pp.num_stages,)
         if self.is_initializing():
             # Creates the stacked weights; the schedule itself only runs in apply.
-            stages = _stacked_stages(self.layer, pp)(self.cfg, name="stages")
+            stages = _stacked_stages(self.layer, pp)(self.cfg, name=STAGES_NAME)
             stages(jnp.broadcast_to(x, lead + x.shape), jnp.broadcast_to(positions, lead + positions.shape))
             return x
         # Reading a boxed weight applies its logical constraint, as flax does for self.param.
-        weights = nn.meta.unbox(self.variables["params"]["stages"])
+        weights = nn.meta.unbox(self.variables["params"][STAGES_NAME])
         stage_stack = _stage_module(self.layer, pp)(self.cfg)
-        stage_path = tuple(self.path) + ("stages",)
+        stage_path = tuple(self.path) + (STAGES_NAME,)
 
         def stage_fn(stage_weights: Any, inputs: jax.Array, stage_positions: jax.Array) -> jax.Array:
             # The stage stack runs detached from this module: keep its activations under our path.
@@ -246,27 +272,28 @@ def apply_layer_stack(cfg: ModelConfig, schedule: PipelineConfig | None, layer: 
                       outside_first: bool = False) -> jax.Array:
     """`num_layers` copies of `layer` over x, scanned, or pipelined by `schedule`.
 
-    Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`
-    (and `<name>_outside_pipeline` for the layers the pipeline leaves out). Scanned weights carry the
-    logical name `axis` (default `name`) on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE
-    stack), as MaxText names a scanned stack's axis; pipelined ones carry `layers` (on `stage`).
-    The layers a pipeline leaves out run under :func:`stage_as_data` rules, after the pipeline with
-    layer axis `layers_outside_pipeline`, or before it with layer axis `axis` when `outside_first`
-    (DeepSeek, as MaxText orders them)."""
+    Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`,
+    or, pipelined, as MaxText names it: `pipeline_module`, with the layers the pipeline leaves out as
+    `layers_outside_pipeline` (or `name` when `outside_first`). Scanned weights carry the logical name
+    `axis` (default `name`) on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE stack), as
+    MaxText names a scanned stack's axis; pipelined ones carry `layers` (on `stage`). The layers a
+    pipeline leaves out run under :func:`stage_as_data` rules, after the pipeline with layer axis
+    `layers_outside_pipeline`, or before it with layer axis `axis` when `outside_first` (DeepSeek, as
+    MaxText orders them)."""
     axis = axis or name
     if schedule is None:
         x, _ = scan_layers(layer, num_layers, axis)(cfg, name=name)(x, positions)
         return x
     rest = num_layers - schedule.num_layers
 
-    def outside(x: jax.Array, axis: str) -> jax.Array:
+    def outside(x: jax.Array, stack_name: str, axis: str) -> jax.Array:
         with nn.logical_axis_rules(stage_as_data(nn.get_logical_axis_rules())):
-            x, _ = scan_layers(layer, rest, axis)(cfg, name=f"{name}_outside_pipeline")(x, positions)
+            x, _ = scan_layers(layer, rest, axis)(cfg, name=stack_name)(x, positions)
         return x
 
     if rest and outside_first:
-        x = outside(x, axis)
-    x = Pipeline(cfg, schedule, layer, name=name)(x, positions)
+        x = outside(x, name, axis)
+    x = Pipeline(cfg, schedule, layer, name=PIPELINE_NAME)(x, positions)
     if rest and not outside_first:
-        x = outside(x, OUTSIDE_LOGICAL)
+        x = outside(x, OUTSIDE_LOGICAL, OUTSIDE_LOGICAL)
     return x

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
-from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
+from sharding_dump.models.attention import ATTENTION_INPUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.decoder import DecoderLM, LayerCycle
 from sharding_dump.models.dense import MlpBlock, l2_normed
@@ -38,6 +38,7 @@ from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
 
 UNNAMED = (None,)  # the logical axes of Qwen3-Next's norm scales
+OUTPUT = ("activation_batch", "activation_length", "activation_embed")  # the full attention's output, as MaxText names it
 
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array) -> jax.Array:
@@ -125,8 +126,9 @@ class GatedAttention(nn.Module):
         q = jnp.concatenate([apply_rotary(q[..., :rotated], positions, cfg), q[..., rotated:]], axis=-1)
         k = jnp.concatenate([apply_rotary(k[..., :rotated], positions, cfg), k[..., rotated:]], axis=-1)
         q, k, v = (constrain(t, QKV, name) for t, name in ((q, "query"), (k, "key"), (v, "value")))
-        out = causal_attention(q, k, v, scale=dim**-0.5)
-        out = constrain(out * jax.nn.sigmoid(gate), ATTENTION_OUT, "attention_out")
+        # MaxText (models/qwen3.py) gives the attention three output names for its four dimensions, and
+        # constrains the output before the gate.
+        out = constrain(causal_attention(q, k, v, scale=dim**-0.5), OUTPUT, "attention_out") * jax.nn.sigmoid(gate)
         flat = out.reshape(out.shape[:2] + (-1,))
         return Dense(cfg, (x.shape[-1],), ("mlp",), ("embed",), name="out")(flat)
 

@@ -41,6 +41,7 @@ from sharding_dump.resources import DATA_DIR, MODELS_DIR, load_yaml, validate
 if TYPE_CHECKING:
     import flax.linen as nn
 
+    from sharding_dump.models.decoder import Stack
     from sharding_dump.models.pipeline import PipelineConfig
 
 BLOCKS_FILE = DATA_DIR / "blocks.yml"
@@ -342,3 +343,18 @@ def pipelined_stack_length(cfg: ModelConfig) -> int | None:
     from sharding_dump.models.decoder import pipelined_length
 
     return pipelined_length(block_class(cfg.decoder_block), cfg)
+
+
+def pipelined_stack(cfg: ModelConfig) -> Stack | None:
+    """The stack a pipeline would cut into stages, as MaxText counts its units (None: none)."""
+    from sharding_dump.models.decoder import pipelined_stack as stack
+
+    return stack(block_class(cfg.decoder_block), cfg)
+
+
+def built_layers(cfg: ModelConfig, pipelined: bool) -> int:
+    """The decoder layers a card's block builds, as the card counts them, without a pipeline (the card's
+    own) or with one (MaxText's count of the pipelined stack's units, which may be blocks of layers)."""
+    from sharding_dump.models.decoder import built_layers as count
+
+    return count(block_class(cfg.decoder_block), cfg, pipelined)

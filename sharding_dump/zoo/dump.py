@@ -24,6 +24,7 @@ from sharding_dump.core.gc_policy import fewer_collections
 from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
+from sharding_dump.core.placement import box_params_axes, placed
 from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
 from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
@@ -136,10 +137,13 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
-        _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
-    layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
-                                   setup.values["shard_optimizer_over_data"])
+    if _own_init(setup):  # a user's own init is traced once, on the case's Explicit mesh: the state the dump reads
+        layouts = _own_layouts(setup)
+    else:
+        auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
+            _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, False, setup.optimizer)
+        layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
+                                       setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
         spec = specs.spec_to_json(layout.partition_spec, len(layout.shape))[dim]
@@ -176,6 +180,8 @@ def program_model(ref: str) -> Model:
 
 @functools.lru_cache(maxsize=CASES_PER_PROCESS)
 def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...], explicit: bool, tx: Any) -> Any:
+    """The abstract state of a user's model on the plan's mesh; for a TrainProgram, (its own init's
+    state, {leaf path: the spec it placed that leaf on}), traced once."""
     program = factory_program(ref)
     mesh = plan.abstract_mesh(explicit=explicit)
     if isinstance(program, TrainProgram):
@@ -186,11 +192,16 @@ def _factory_state(ref: str, plan: MeshPlan, rules: tuple[tuple[str, Any], ...],
 
         key = abstract_key()
         with jax.sharding.use_abstract_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(rules_of(rules)):
-            return program.abstract_state(key)
+            return program.placed_state(key)
     model = program_model(ref)
     if explicit:
         return explicit_train_state(model, mesh, rules, tx)
     return abstract_train_state(model.abstract_params(mesh, rules), tx)
+
+
+def _own_init(setup: CaseSetup) -> bool:
+    """The case's state comes from the user's own init (a TrainProgram)."""
+    return setup.config is None and isinstance(factory_program(setup.case.model), TrainProgram)
 
 
 def layout_view(setup: CaseSetup, train_state: Any) -> Any:
@@ -198,19 +209,39 @@ def layout_view(setup: CaseSetup, train_state: Any) -> Any:
     own init built its optimizer state over boxed parameters) every optimizer leaf re-derived from its
     parameter, as the harness derives its own."""
     view = boxed_view(train_state)
-    if setup.config is None and isinstance(factory_program(setup.case.model), TrainProgram):
-        view = state_with_slots(view)
+    if _own_init(setup):
+        view = state_with_slots(box_params_axes(view))
     return view
+
+
+def _own_traced(setup: CaseSetup) -> tuple[Any, dict[str, Any]]:
+    """A TrainProgram's state, traced once on the case's mesh, and what its init placed itself."""
+    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
+                          setup.optimizer)
+
+
+def _own_layouts(setup: CaseSetup) -> list[TensorLayout]:
+    """A TrainProgram's state leaf by leaf: what its init placed itself, else its boxes, params_axes
+    and the rule file's path rules."""
+    raw, declared = _own_traced(setup)
+    return state.tensor_layouts(layout_view(setup, raw), setup.plan, setup.rule_set,
+                                setup.values["shard_optimizer_over_data"], declared)
 
 
 def abstract_state_of(setup: CaseSetup) -> Any:
     """The abstract training state of the case's model: a card's (boxed), or a user program's, whose
     init runs under the case's mesh and rules as it would in training (on the Explicit-axis mesh in
-    explicit mode, each leaf then carrying its sharding)."""
+    explicit mode, each leaf then carrying its sharding: for a TrainProgram, the layout the dump
+    gives it, as a trainer places its state before the step)."""
     if setup.config is not None:
         return _abstract_state(setup.config, setup.optimizer, setup.pipeline)
-    return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
-                          setup.optimizer)
+    if not _own_init(setup):
+        return _factory_state(setup.case.model, setup.plan, setup.rule_set.logical_axis_rules, setup.explicit,
+                              setup.optimizer)
+    raw, _ = _own_traced(setup)
+    if not setup.explicit:
+        return raw
+    return placed(raw, {t.path: t.partition_spec for t in _own_layouts(setup)}, setup.step_mesh())
 
 
 def header(setup: CaseSetup) -> dict[str, Any]:
@@ -230,6 +261,8 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
     if setup.explicit and setup.config is not None:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
                                                     setup.optimizer, setup.pipeline)
+    if _own_init(setup):  # what the program placed itself, then the rules
+        return setup, _own_layouts(setup)
     boxed = layout_view(setup, abstract_state_of(setup))
     if setup.explicit:
         return setup, typed_layouts(boxed, setup.plan.sizes)

@@ -21,6 +21,7 @@ from sharding_dump.golden.engine import (
     Outcome,
     check_or_update_folder,
     read_folder,
+    replaceable,
 )
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.project import load_project
@@ -67,18 +68,23 @@ def render(case: Case) -> dict[str, bytes]:
         return render_case(case)
 
 
-def check_or_update(case: Case, root: str | Path, update: bool) -> Outcome:
-    """Compares a zoo `case` with its golden under `root`, or (update=True) rewrites its folder."""
+def check_or_update(case: Case, root: str | Path, update: bool, repair: bool = False) -> Outcome:
+    """Compares a zoo `case` with its golden under `root`, or (update=True) rewrites its folder;
+    `repair` (with update) replaces a golden path that cannot be read as one, a folder or a file
+    above the size limit, instead of refusing it (:func:`replaceable`)."""
     folder = case_folder(case, root)
-    current = read_folder(folder)  # a bad golden file is refused before any work
+    unread = replaceable(folder) if update and repair else {}
+    current = read_folder(folder, unread)  # a bad golden file is refused before any work
     outcome = check_or_update_folder(folder, render(case), update, label=case.label,
-                                     command=f"{update_command(case, root)}\n{UPDATE_HINT}", current=current)
+                                     command=f"{update_command(case, root)}\n{UPDATE_HINT}", current=current,
+                                     replaced=unread)
     return dataclasses.replace(outcome, case=case)
 
 
-def update(case: Case, root: str | Path) -> tuple[Outcome, str]:
+def update(case: Case, root: str | Path, repair: bool = False) -> tuple[Outcome, str]:
     """check_or_update(update=True), and what it did to the golden: created, updated or unchanged
     (for the summary line after an update)."""
-    existed = any(data is not None for data in read_folder(case_folder(case, root)).values())
-    outcome = check_or_update(case, root, update=True)
+    folder = case_folder(case, root)
+    existed = any(data is not None for data in read_folder(folder, replaceable(folder) if repair else {}).values())
+    outcome = check_or_update(case, root, update=True, repair=repair)
     return outcome, "unchanged" if outcome.status == "match" else "updated" if existed else "created"

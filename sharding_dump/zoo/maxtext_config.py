@@ -645,6 +645,20 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
     return MaxTextCase(Case.make(model_ref, topology, rule_ref, num_slices, overrides), notes)
 
 
+def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """KEY=VALUE of a `--model` case split into the zoo's settings and MaxText keys that move no layout
+    (`ignore` in data/maxtext_keys.yml: `attention=dot_product`, `sa_block_q=256`, ...), which the case
+    takes as MaxText does and drops, as they change none of its documents. Also one note for each that
+    `verify` compiles otherwise (the `compiled` keys)."""
+    table = key_table()
+    kept = {k: v for k, v in assignments.items() if table.kind.get(k) != "ignore"}
+    notes = [f"{key}={value}: verify compiles the zoo's step with {key}={_text(table.compiled[key][0])}, so its "
+             f"memory and collectives are not those of this value"
+             for key, value in assignments.items() if key in table.compiled and key not in kept
+             and not same(parse_command_line([f"{key}={value}"])[key], table.compiled[key][0])]
+    return kept, notes
+
+
 def read_case(config_path: str | Path, command_line: Sequence[str] | Mapping[str, Any] = (),
               topology: str | None = None, num_slices: int | None = None, resolve: Resolve | None = None,
               environ: Mapping[str, str] | None = None, source: str = COMMAND_LINE) -> MaxTextCase:

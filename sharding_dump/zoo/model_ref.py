@@ -31,7 +31,8 @@ import re
 import sys
 from typing import Any, Callable
 
-from sharding_dump.errors import BadInput, shown
+from sharding_dump.core.boundary import guard
+from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.zoo.cards import card_files, resolve_model
 
 _FACTORY = re.compile(r"(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)=)?(?P<module>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"
@@ -95,17 +96,21 @@ def load_reference(text: str, what: str = "model") -> Callable[..., Any]:
     if added:
         sys.path.insert(0, cwd)
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise BadInput(f"{what} {text!r}: cannot import {module_name} ({err})") from None
+        with guard(f"importing {module_name} (for {what} {text})"):
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as err:
+                raise BadInput(f"{what} {text!r}: cannot import {module_name} ({one_line(str(err))})") from None
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
     obj: Any = module
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        with guard(f"reading {attr} of {module_name} (for {what} {text})"):
+            found = hasattr(obj, part)
+            obj = getattr(obj, part) if found else None
+        if not found:
             raise BadInput(f"{what} {text!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
     if not callable(obj):
         raise BadInput(f"{what} {text!r}: {attr} is a {type(obj).__name__}, not a callable returning "
                        f"{'a model' if what == 'model' else 'an ' + what}")

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sharding_dump.core.boundary import guard
 from sharding_dump.core.layout import path_text
 from sharding_dump.core.state import ADAMW, default_optimizer
-from sharding_dump.errors import BadInput, one_line, shown
+from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo.model_ref import load_reference
 
@@ -132,11 +133,8 @@ def check(values: Mapping[str, Any], decoder_block: str | None, model: str) -> N
 @functools.lru_cache(maxsize=16)
 def _user_optimizer(ref: str) -> optax.GradientTransformation:
     factory = load_reference(ref, "optimizer")
-    try:
+    with guard(f"optimizer={ref}: calling {ref.split(':', 1)[1]}()"):
         built = factory()
-    except Exception as err:  # noqa: BLE001  (the user's own code: say which call failed)
-        raise BadInput(one_line(f"optimizer={ref}: calling {ref.split(':', 1)[1]}() raised "
-                                f"{type(err).__name__}: {err}")) from None
     if not (callable(getattr(built, "init", None)) and callable(getattr(built, "update", None))):
         raise BadInput(f"optimizer={ref}: {ref.split(':', 1)[1]}() returned {shown(type(built).__name__)}, not an "
                        "optax optimizer: an object with init(params) and update(grads, state, params), such as "
@@ -149,23 +147,14 @@ def guarded(tx: Any, name: str) -> optax.GradientTransformationExtraArgs:
     and what the harness gave it (the user's optimizer code, run on abstract arrays)."""
 
     def init(params: Any) -> Any:
-        try:
+        with guard(f"{name}: init(params)", f"the harness passed the model's {len(jax.tree.leaves(params))} "
+                                            "parameters as abstract arrays"):
             return tx.init(params)
-        except BadInput:
-            raise
-        except Exception as err:  # noqa: BLE001
-            raise BadInput(one_line(f"{name}: init(params) raised {type(err).__name__}: {err} (the harness passed "
-                                    f"the model's {len(jax.tree.leaves(params))} parameters as abstract arrays)")) from None
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        try:
+        with guard(f"{name}: update(grads, state, params)", "the harness passed the gradients, the state init "
+                                                             "returned, and the parameters, all traced"):
             return tx.update(updates, state, params, **extra)
-        except BadInput:
-            raise
-        except Exception as err:  # noqa: BLE001
-            raise BadInput(one_line(f"{name}: update(grads, state, params) raised {type(err).__name__}: {err} (the "
-                                    "harness passed the gradients, the state init returned, and the parameters, "
-                                    "all traced)")) from None
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -17,8 +17,9 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Container, Iterable, Mapping, Sequence
 
+from sharding_dump.core.boundary import bounded_regexes, bounded_search
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
 from sharding_dump.errors import BadInput, shown
@@ -53,7 +54,7 @@ class RuleSet:
     def mesh_settings_for(self, topology_name: str) -> dict[str, Any]:
         """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
         for pattern, values in self.mesh_rules:
-            if re.search(pattern, topology_name):
+            if bounded_search(pattern, topology_name, f"rule file {self.path}: mesh_rules"):
                 return dict(values)
         return {}
 
@@ -103,10 +104,8 @@ def load_rule(ref: str) -> RuleSet:
                            f"rename one")
         sized_by[key] = axis
     rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data.get("logical_axis_rules", ()))
-    path_rules = _partition_rules(path, data.get("partition_rules", []), mesh_axes)
-    if not rules and not path_rules:
-        raise BadInput(f"{where}: give logical_axis_rules (logical names to mesh axes), partition_rules (parameter "
-                       "path regexes to partition specs), or both")
+    path_rules = _partition_rules(path, data.get("partition_rules", []), mesh_axes,
+                                  {name for name, _ in data.get("logical_axis_rules", ())})
     for index, (name, axes) in enumerate(rules):
         for axis in entry_axes(axes):
             if axis not in mesh_axes:
@@ -144,8 +143,11 @@ def load_rule(ref: str) -> RuleSet:
     )
 
 
-def _partition_rules(path: Path, entries: list[Any], mesh_axes: tuple[str, ...]) -> tuple[PathRule, ...]:
-    """The `partition_rules` of a rule file, each regex compiled and each mesh axis declared."""
+def _partition_rules(path: Path, entries: list[Any], mesh_axes: tuple[str, ...],
+                     logical_names: set[str]) -> tuple[PathRule, ...]:
+    """The `partition_rules` of a rule file, each regex compiled, each mesh axis declared and used
+    once per spec (a mesh axis splits one dimension at most), each logical name one the file's
+    `logical_axis_rules` resolve (another would leave its dimension whole without a word)."""
     where = f"rule file {path}"
     lines = yaml_item_lines(path, "partition_rules")
     out = []
@@ -156,13 +158,23 @@ def _partition_rules(path: Path, entries: list[Any], mesh_axes: tuple[str, ...])
             raise BadInput(f"{where}: field partition_rules/{index}: {shown(pattern)} is not a regular expression "
                            f"({err})") from None
         origin = f"{display(path)}:{lines[index]}" if index < len(lines) else f"{display(path)} partition_rules/{index}"
+        field = f"{where}: field partition_rules/{index} ({shown(pattern)})"
         if isinstance(spec, dict):
+            for name in spec["logical"]:
+                if name is not None and name not in logical_names:
+                    known = ", ".join(sorted(logical_names)) or "none: the file has no logical_axis_rules"
+                    raise BadInput(f"{field}: logical axis {name!r} has no rule in logical_axis_rules, so its "
+                                   f"dimension would stay whole; give a name the rules map (known: {known}) or null")
             out.append(PathRule(pattern, logical=tuple(spec["logical"]), where=origin))
             continue
+        used: set[str] = set()
         for axis in (a for entry in spec for a in entry_axes(entry)):
             if axis not in mesh_axes:
-                raise BadInput(f"{where}: field partition_rules/{index} ({shown(pattern)}): mesh axis {axis!r} is not "
-                               f"in mesh_axes [{', '.join(mesh_axes)}]")
+                raise BadInput(f"{field}: mesh axis {axis!r} is not in mesh_axes [{', '.join(mesh_axes)}]")
+            if axis in used:
+                raise BadInput(f"{field}: mesh axis {axis!r} appears twice in the spec; a mesh axis splits one "
+                               "dimension at most (e.g. [fsdp, tensor] or [[fsdp, tensor], null])")
+            used.add(axis)
         out.append(PathRule(pattern, spec=tuple(rule_axes(entry) for entry in spec), where=origin))
     return tuple(out)
 
@@ -227,27 +239,45 @@ Leaf = tuple[str, Sequence[int], Sequence[Any]]
 PARAMS = "params/"
 
 
-def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[str]:
-    """Parameters of more than one element that carry no logical axis name and that no partition rule
-    matches: each is whole on every device, and nothing in the model or the rule file says so."""
+def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Container[str] = ()) -> list[str]:
+    """Parameters of more than one element that carry no logical axis name, that no partition rule
+    matches and that the program did not place itself (`placed`: their paths): each is whole on every
+    device, and nothing in the model or the rule file says so."""
     return [path for path, shape, logical in leaves
             if path.startswith(PARAMS) and math.prod(shape) > 1 and all(name is None for name in logical)
-            and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
+            and path not in placed and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
 
 
 def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[PathRule]:
     """Partition rules whose regex is found in no parameter path of the model (a typo, or a rule file
     written for another model)."""
     paths = [path[len(PARAMS):] for path, _, _ in leaves if path.startswith(PARAMS)]
-    return [rule for rule in rule_set.partition_rules if not any(re.search(rule.pattern, p) for p in paths)]
+    with bounded_regexes() as search:
+        return [rule for rule in rule_set.partition_rules
+                if not any(search(rule.pattern, p, f"partition rule {rule.where}") for p in paths)]
+
+
+def shadowed_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[tuple[PathRule, PathRule, str]]:
+    """(rule, the earlier rule that wins, a path) for every partition rule whose regex matches some
+    parameter path, none of which it places: an earlier rule matches each first (first match wins)."""
+    paths = [path[len(PARAMS):] for path, _, _ in leaves if path.startswith(PARAMS)]
+    rules_ = rule_set.partition_rules
+    winner = {path: match_path_rule(rules_, path) for path in paths}
+    out = []
+    for index, rule in enumerate(rules_):
+        with bounded_regexes() as search:
+            matched = [p for p in paths if search(rule.pattern, p, f"partition rule {rule.where}")]
+        if matched and all(winner[p] is not None and winner[p] < index for p in matched):
+            out.append((rule, rules_[winner[matched[0]]], matched[0]))
+    return out
 
 
 def rank_mismatches(leaves: Iterable[Leaf]) -> list[tuple[str, int, int]]:
-    """(path, number of logical axes, rank) of every parameter whose logical axes are more or fewer
-    than its dimensions (flax resolves them anyway: the extra names are dropped, the missing
+    """(path, number of logical axes, rank) of every parameter whose logical axes (when it has any)
+    are more or fewer than its dimensions (flax resolves them anyway: the extra names are dropped, the missing
     dimensions left whole)."""
     return [(path, len(logical), len(shape)) for path, shape, logical in leaves
-            if path.startswith(PARAMS) and len(logical) != len(shape)]
+            if path.startswith(PARAMS) and logical and len(logical) != len(shape)]
 
 
 def _examples(paths: Sequence[str], limit: int = 3) -> str:
@@ -256,11 +286,12 @@ def _examples(paths: Sequence[str], limit: int = 3) -> str:
 
 
 def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = (),
-                 batch_fields: Iterable[str] | None = None) -> list[str]:
+                 batch_fields: Iterable[str] | None = None, placed: Container[str] = ()) -> list[str]:
     """Why a dump that worked may still not be what was meant, from its golden documents: rules that
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
-    A rule file written for other logical names dumps everything replicated without an error."""
+    A rule file written for other logical names dumps everything replicated without an error.
+    `placed`: the paths of leaves the program placed itself (never "placed by nothing")."""
     named = docs[NAMED_FILE]
     sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
@@ -285,13 +316,16 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append(f"{rule_set.path} has rules for logical axes no tensor or activation of this dump "
                         f"carries: {', '.join(unused)}")
     state = [(path, entry["shape"], entry["logical_axes"]) for path, entry in docs[LOGICAL_FILE]["tensors"].items()]
-    unplaced = unplaced_parameters(rule_set, state)
+    unplaced = unplaced_parameters(rule_set, state, placed)
     if unplaced and math.prod(sizes.values()) > 1:
         warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
                         f"match no partition rule of {rule_set.path}, so each is whole on every device: "
                         f"{_examples(unplaced)}")
     for rule in unmatched_partition_rules(rule_set, state):
         warnings.append(f"partition rule {rule.where} ({rule.pattern!r}) matches no parameter path of this model")
+    for rule, first, path in shadowed_partition_rules(rule_set, state):
+        warnings.append(f"partition rule {rule.where} ({rule.pattern!r}) places nothing: every parameter path it "
+                        f"matches is matched first by partition rule {first.where} ({first.pattern!r}), e.g. {path}")
     mismatched = rank_mismatches(state)
     if mismatched:
         warnings.append("logical axes that do not fit the tensor's rank: " + ", ".join(

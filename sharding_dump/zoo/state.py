@@ -22,7 +22,7 @@ With ZeRO-1 (`shard_optimizer_over_data`), the optimizer state is also split ove
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -101,16 +101,19 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) 
 
 
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
-                   optimizer_over_data: bool = False) -> list[TensorLayout]:
-    """Auto mode: every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh
-    (the optimizer state also over `data` with `optimizer_over_data`)."""
+                   optimizer_over_data: bool = False,
+                   declared: Mapping[str, PartitionSpec] | None = None) -> list[TensorLayout]:
+    """Every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh (the
+    optimizer state also over `data` with `optimizer_over_data`); a leaf the program placed itself
+    (`declared`, {path: spec}: a user's own init) keeps that spec."""
     sizes = plan.sizes
 
     def zero1(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
         return over_data(spec, shape, sizes) if is_optimizer_leaf(path) else spec
 
     try:
-        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None)
+        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None,
+                                   declared)
     except PartitionRuleError as err:  # a rule file's partition rule that does not fit the model
         raise BadInput(str(err)) from None
 

@@ -190,6 +190,20 @@ def test_memory_above_hbm():
     assert not check.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
 
 
+def test_a_pipeline_of_scan_blocks_reports_the_layers_and_parameters_it_adds():
+    """gemma4-31b with 2 stages: MaxText pipelines 60 blocks of 6 layers; its own dump of the case holds
+    177,137,614,440 parameters (the model: 30,697,345,340). A pipeline of single layers adds none."""
+    findings = by_lint(check.lint_case(Case.make("gemma4-31b", "tpu7x-8", "default",
+                                                 overrides={"ici_pipeline_parallelism": 2})))
+    (layers,) = findings["pipeline-layers"]
+    assert layers.message == ("the pipelined run builds 360 decoder layers where model gemma4-31b has 60, and "
+                              "177,137,614,440 (177.14B) parameters where the model has 30,697,345,340 (30.70B)")
+    assert "blocks of 6 layers: 60 blocks in all" in layers.details[0]
+    plain = check.lint_case(Case.make("llama2-7b", "v5p-8", "default", overrides={"ici_pipeline_parallelism": 2,
+                                                                                 "num_pipeline_microbatches": 8}))
+    assert "pipeline-layers" not in by_lint(plain)
+
+
 @pytest.mark.parametrize("cards", ["three", pytest.param("every", marks=pytest.mark.sweep)])
 def test_a_logical_name_nothing_uses(tmp_path, monkeypatch, cards):
     """A name no card carries is only known after tracing every kind of card (29, ~10 s): by default

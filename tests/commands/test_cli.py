@@ -25,6 +25,20 @@ def test_dump_one_case(tmp_path, capsys):
                                                               / "named_shardings.json").read_bytes()
 
 
+def test_maxtext_keys_that_move_no_layout_are_taken_on_the_command_line(tmp_path, capsys):
+    """A MaxText user's overrides (MaxText's DeepSeek-V3.2 needs attention=dot_product): the case is the
+    one without them, byte for byte; a key MaxText does not have is still refused."""
+    case = ["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp", "--output-dir", str(tmp_path)]
+    assert main(case + ["attention=dot_product", "sa_block_q=256", "use_tokamax_splash=true"]) == 0
+    folder = tmp_path / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp"
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["rule_pure-fsdp"]
+    assert (folder / "named_shardings.json").read_bytes() == (REPO / "golden" / folder.relative_to(tmp_path)
+                                                              / "named_shardings.json").read_bytes()
+    capsys.readouterr()
+    assert main(case + ["sa_blok_q=256"]) == 2
+    assert "unknown setting 'sa_blok_q'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args", [
     ["--model", "nope", "--topology", "v5p-16", "--rule", "default"],
     ["--model", "llama2-7b", "--topology", "v5p-99", "--rule", "default"],

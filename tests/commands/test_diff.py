@@ -1,6 +1,7 @@
 """`sharding-dump diff`: two case folders or two golden trees, text / markdown / JSON, exit status."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -140,7 +141,7 @@ def test_documents_with_no_tensor_in_common_are_reported_per_tensor():
     (["diff", "/no/such/old", "golden"], "OLD /no/such/old: not a folder"),
     (["diff", "golden/llama2-7b/v5p-16/slice_1/rule_default", "golden"], "OLD is a case folder but NEW is not"),
     (["diff", "sharding_dump/rules", "sharding_dump/rules"], "no golden files under"),
-    (["diff", "golden", "golden", "--format", "html"], "invalid choice: 'html'"),
+    (["diff", "golden", "golden", "--format", "svg"], "invalid choice: 'svg'"),
     (["diff", "golden"], "the following arguments are required: NEW"),
 ])
 def test_bad_input(args, message, capsys, monkeypatch):
@@ -209,3 +210,61 @@ def test_markdown_fits_a_github_comment_and_keeps_the_summary(tmp_path, capsys):
     assert cut.count("<details") == cut.count("</details>")  # no fold left open
     assert main(["diff", "golden", "golden", "--format", "json", "--max-chars", "5000"]) == 2
     assert "--max-chars 5000: takes a number >= 1000, with --format text or markdown" in capsys.readouterr().err
+
+
+def test_markdown_of_a_rule_mutation_charts_memory_per_device(capsys, no_embed):
+    """The comment carries a mermaid bar chart GitHub renders: each part of the state before and after,
+    the figures those of the goldens' headers (3.1 -> 24.2 GiB of params, 6.3 -> 48.5 GiB of moments)."""
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    chart = out.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert chart.splitlines() == [
+        "xychart-beta", '    title "Memory per device, before and after"',
+        '    x-axis ["params before", "params after", "opt_state before", "opt_state after"]',
+        '    y-axis "GiB per device"', "    bar [3.14, 24.25, 6.28, 48.50]"]
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed)]) == 1
+    assert "mermaid" not in capsys.readouterr().out  # a terminal gets the figures only
+
+
+def test_many_charted_cases_fit_one_comment(tmp_path, capsys, no_embed):
+    """Forty cases of the rule mutation, each with its chart: the comment is cut within GitHub's
+    65,536 characters with every code fence and fold closed and the summary whole."""
+    labels = [f"m{i:02d}/v5p-16/slice_1/rule_pure-fsdp" for i in range(40)]
+    for label in labels:
+        shutil.copytree(REPO / "golden" / PURE_FSDP_CASE, tmp_path / "old" / label)
+        shutil.copytree(no_embed, tmp_path / "new" / label)
+    assert main(["diff", str(tmp_path / "old"), str(tmp_path / "new"), "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    assert len(out) <= 65_536 < len(out) * 2
+    assert out.count("```mermaid") > 1 and out.count("```") % 2 == 0
+    assert out.count("<details") == out.count("</details>")
+    assert out.split("\n\n<details")[0].count("\n| `m") == 40
+    assert "more cases not shown" in out.rstrip("\n").splitlines()[-1]
+
+
+def test_html_report_is_a_standalone_page_with_the_chart(tmp_path, capsys, no_embed):
+    """--format html: one page for a CI artifact, every row (never cut), the memory chart as inline SVG
+    with the bar after the change eight times the bar before, as the bytes are."""
+    from html.parser import HTMLParser
+
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "html"]) == 1
+    page = capsys.readouterr().out
+    opened = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag != "meta":
+                opened.append(tag)
+
+        def handle_endtag(self, tag):
+            assert opened.pop() == tag
+
+    Tags().feed(page)
+    assert opened == [] and page.startswith("<!DOCTYPE html>") and "<script" not in page
+    widths = dict(re.findall(r'<text x="0" y="\d+" font-size="13">(params \w+)</text><rect x="150" y="\d+" width="(\d+)"',
+                             page))
+    assert (int(widths["params before"]), int(widths["params after"])) == (19, 150)
+    assert page.count("params/decoder/layers/") == 7  # every changed parameter row: nothing folded away
+    assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "html"]) == 1
+    assert capsys.readouterr().out == page  # deterministic
+    assert main(["diff", "golden", "golden", "--format", "html", "--max-chars", "5000"]) == 2

@@ -123,18 +123,21 @@ def test_gemma_weights_follow_its_sharding_config(gemma_docs):
 
 
 def test_gemma_activation_specs_forward_and_backward(gemma_docs):
-    """Every `out_sharding=` of the model is an activation, forward and backward, with its spec."""
+    """Every `out_sharding=` of the model is an activation, forward and backward, read from the traced
+    step and keyed by its call site (NNX keeps no module stack; the layers share their call sites)."""
     acts = gemma_docs["activation_shardings.json"]["tensors"]
     btd, btf = ["fsdp", None, "tensor"], ["fsdp", None, "tensor"]
-    for layer in (0, 1):
-        for module, spec in (("mlp/gate_proj", btf), ("mlp/up_proj", btf), ("mlp/down_proj", btd),
-                             ("attn/attn_vec_einsum", btd), ("attn/q_einsum", ["fsdp", None, "tensor", None]),
-                             ("attn/kv_einsum", [None, "fsdp", None, None, None])):
-            for pass_ in ("forward", "backward"):
-                assert acts[f"{pass_}/layers/{layer}/{module}/__call__"]["partition_spec"] == spec, (pass_, module)
-    assert acts["forward/embedder/attend"]["shape"] == [8, 64, 512]
-    assert acts["backward/embedder/__call__"]["partition_spec"] == btd
+    for site, spec in (("FeedForward.__call__-L1", btf),  # gate_proj and up_proj, on one line
+                       ("FeedForward.__call__-L2", btd),  # down_proj
+                       ("Attention.__call__-L20", btd),  # attn_vec_einsum
+                       ("Attention.__call__-L3", ["fsdp", None, "tensor", None]),  # q_einsum
+                       ("Attention.__call__-L4", [None, "fsdp", None, None, None])):  # kv_einsum
+        for pass_ in ("forward", "backward"):
+            assert acts[f"{pass_}/dot_general-{site}"]["partition_spec"] == spec, (pass_, site)
+    assert acts["forward/dot_general-Transformer.__call__-L6"]["shape"] == [8, 64, 512]  # embedder.attend
+    assert acts["backward/reshard-ScaledEmbed.__call__-L1"]["partition_spec"] == btd  # the embedding lookup
     assert acts["forward/inputs"]["partition_spec"] == ["fsdp", None]  # no input axes: data_sharding
+    assert not [key for key in acts if "broadcast_in_dim" in key]  # jnp.where's own broadcast is jax's choice
 
 
 def test_gemma_activation_spec_edit_changes_the_dump(monkeypatch):
@@ -157,7 +160,7 @@ def test_gemma_activation_spec_edit_changes_the_dump(monkeypatch):
 
     before, after = traced(shd), traced(dataclasses.replace(shd, act_btf=P("fsdp", None, None)))
     for pass_ in ("forward", "backward"):
-        key = f"{pass_}/layers/0/mlp/up_proj/__call__"
+        key = f"{pass_}/dot_general-FeedForward.__call__-L1"
         assert before[key] == ("fsdp", None, "tensor") and after[key] == ("fsdp", None, None)
 
 
@@ -276,7 +279,7 @@ def init_fails():
     return sd.TrainProgram(lambda key: 1 / 0, lambda state, batch: (state, {}))
 
 def _state(key):
-    return {"w": jnp.zeros((4, 4))}
+    return {"params": {"w": jnp.zeros((4, 4))}}
 
 def step_fails():
     return sd.TrainProgram(_state, lambda state, batch: state["missing"])
@@ -285,7 +288,7 @@ def step_single():
     return sd.TrainProgram(_state, lambda state, batch: state)
 
 def step_restructures():
-    return sd.TrainProgram(_state, lambda state, batch: ({"w": state["w"], "extra": 1.0}, {}))
+    return sd.TrainProgram(_state, lambda state, batch: ({"params": state["params"], "extra": 1.0}, {}))
 '''
 
 FAILURES = [
@@ -295,17 +298,17 @@ FAILURES = [
                     "arguments: 'cache' and 'attention_mask' (the harness passed Transformer(int32[16,64], "
                     "positions=int32[16,64], rngs=Rngs(dropout)); the model's call is Transformer.__call__(self, "
                     "last_tokens, positions, cache, attention_mask, rngs=None);"),
-    ("no_logits", "the model's output {hidden: float32[16,64,8]} holds no logits [batch, length, vocab]"),
+    ("no_logits", "the model's output {hidden: float32[16,64,8]} holds no float logits [batch, length, vocab]"),
     ("hook_fails", "the call hook hook_fails.<locals>.<lambda> failed with KeyError: 'missing' (the harness passed "
                    "call(model, {inputs: int32[1,8]"),
     ("input_fails", "computing input 'mask' with input_fails.<locals>.<lambda> failed with KeyError: 'nothing'"),
-    ("bad_shape", "batch field 'mask': shape entry 'width': give an int or one of batch, length"),
+    ("bad_shape", "Input(shape=('batch', 'width')): give a tuple of sizes, each a whole number >= 0 or one of 'batch', 'length'"),
     ("no_dropout_stream", 'the model call failed with InvalidRngError: Dropout_0 needs PRNG for "dropout"'),
     ("init_fails", "the program's init init_fails.<locals>.<lambda> failed with ZeroDivisionError: division by zero "
                    "(the harness passed init(key<fry>[]); init(key) returns the training state)"),
     ("step_fails", "the program's train_step step_fails.<locals>.<lambda> failed with KeyError: 'missing'"),
-    ("step_single", "returned {w: float32[4,4]}; the interface expects a pair (new state, metrics)"),
-    ("step_restructures", "returned a state of another structure than init's"),
+    ("step_single", "returned {params: {w: float32[4,4]}}; the interface expects a pair (new state, metrics)"),
+    ("step_restructures", "returned a state of another tree than init's: new leaf extra"),
 ]
 
 
@@ -357,3 +360,17 @@ def test_explicit_placement_follows_each_flavour_of_flax():
     assert gemma.placement(("tensor", "fsdp"), [("batch", "fsdp")]) == P("tensor", "fsdp")
     assert gemma.placement(("vocab", "embed"), [("vocab", "tensor"), ("embed", "fsdp")]) == P("tensor", "fsdp")
     assert linen.placement(("tensor", "fsdp"), [("batch", "fsdp")]) == P(None, None)
+
+
+def test_guide_shows_the_model_call_failure_as_printed(tmp_path, capsys, monkeypatch):
+    """docs/guide/your-own-program.md's error line is what the CLI prints for flax's Gemma called plainly."""
+    shown = next(line for line in (REPO / "docs/guide/your-own-program.md").read_text().splitlines()
+                 if line.startswith("sharding-dump: error: the model call failed"))
+    (tmp_path / "programs_gemma_plain.py").write_text(textwrap.dedent(PROGRAMS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO))
+    (tmp_path / "rules.yml").write_text("mesh_axes: [data]\nlogical_axis_rules:\n  - [batch, data]\n")
+    assert cli.main(["--model", "programs_gemma_plain:gemma_plain", "--topology", "cpu-2", "--rule", "rules.yml",
+                     "ici_data_parallelism=2", "per_device_batch_size=8", "max_target_length=64",
+                     "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == shown + "\n"

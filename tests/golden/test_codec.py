@@ -23,7 +23,7 @@ def _broken() -> list[tuple[str, dict]]:
     for label, change in [
         ("missing mesh", lambda d: d.pop("mesh")),
         ("extra field", lambda d: d.update(extra=1)),
-        ("bad leaf path", lambda d: d["tensors"].update({"weights/w": d["tensors"][first]})),
+        ("bad leaf path", lambda d: d["tensors"].update({"params//w": d["tensors"][first]})),
         ("shape of strings", lambda d: d["tensors"][first].update(shape=["8"])),
         ("unknown dtype", lambda d: d["tensors"][first].update(dtype="float33")),
         ("negative bytes", lambda d: d["tensors"][first].update(per_device_bytes=-1)),

@@ -128,9 +128,23 @@ def test_mesh_difference_is_reported(tmp_path, capsys):
     assert result.returncode == 1 and "mesh differs" in result.stdout
 
 
+def reference_keyed(tmp, *keys):
+    """A reference folder of one scalar leaf under each key, and an empty one of ours."""
+    (tmp / "ref").mkdir()
+    leaves = {key: {"partition_spec": [], "shape": []} for key in keys}
+    (tmp / "ref" / "named_shardings.json").write_text(json.dumps(leaves))
+    (tmp / "ours").mkdir()
+    (tmp / "ours" / "named_shardings.json").write_text("{}")
+    return tmp / "ref", tmp / "ours"
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda tmp: (tmp / "nope", tmp), "no such case folder"),
     (lambda tmp: (tmp, tmp), "named_shardings.json: no such file"),
+    (lambda tmp: reference_keyed(tmp, ".params/decoder"),
+     "named_shardings.json: leaf '.params/decoder': element at character 8 is not a jax key"),
+    (lambda tmp: reference_keyed(tmp, ".params/['params']/['w']", ".params/['w']"),
+     "named_shardings.json: leaf \".params/['w']\" reads as 'params/w', the path of an earlier leaf"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, make, message):
     result = run_tool(capsys, *make(tmp_path))

@@ -24,7 +24,8 @@ from helpers import REPO
 PACKAGE = REPO / "sharding_dump"
 
 BASE = {"sharding_dump.errors", "sharding_dump.resources"}
-JAX_FREE_CORE = {"sharding_dump.core.format", "sharding_dump.core.gc_policy", "sharding_dump.core.specs"}
+JAX_FREE_CORE = {"sharding_dump.core.boundary", "sharding_dump.core.format", "sharding_dump.core.gc_policy",
+                 "sharding_dump.core.specs"}
 # layer -> the layers (or single modules) it may import
 ALLOWED = {
     "base": {"base"},

@@ -8,7 +8,10 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
 
 from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
 from sharding_dump.core.state import parameter_count
@@ -18,67 +21,9 @@ BLOCK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "blocks"
 DEEPSEEK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
 
 # Parameters of MaxText's own model for each card's MaxText config (configs/models/<card>.yml at
-# e591f30): the sum over the `params` leaves of the state its sharding dump
-# (tests/utils/sharding_dump.py, weight_dtype=float32) builds for that config.
-MAXTEXT_PARAMETERS = {
-    "deepseek2-16b": 15_706_484_224,
-    "deepseek2-236b": 235_741_434_880,
-    "deepseek3-671b": 671_026_419_200,
-    "deepseek3-test": 15_851_427_840,
-    "deepseek3-tiny": 33_706_448,
-    "deepseek3.2-671b": 671_877_944_064,
-    "gemma-2b": 2_506_434_560,
-    "gemma-7b": 8_538_074_112,
-    "gemma2-27b": 27_227_718_144,
-    "gemma2-2b": 2_614_636_800,
-    "gemma2-9b": 9_242_164_736,
-    "gemma3-12b": 11_765_788_416,
-    "gemma3-27b": 27_009_002_240,
-    "gemma3-4b": 3_880_099_328,
-    "gemma4-26b": 25_233_141_790,
-    "gemma4-31b": 30_697_345_340,
-    "gpt-oss-120b": 116_829_156_672,
-    "gpt-oss-20b": 20_914_757_184,
-    "kimi-k2-1t": 1_026_408_232_448,
-    "llama2-13b": 13_015_864_320,
-    "llama2-70b": 68_976_648_192,
-    "llama2-7b": 6_738_415_616,
-    "llama3-70b": 70_553_706_496,
-    "llama3-8b": 8_030_261_248,
-    "llama3.1-405b": 405_853_388_800,
-    "llama3.1-70b": 70_553_706_496,
-    "llama3.1-8b": 8_030_261_248,
-    "llama3.3-70b": 70_553_706_496,
-    "llama4-17b-128e": 400_711_848_960,
-    "llama4-17b-16e": 107_769_861_120,
-    "mistral-7b": 7_241_732_096,
-    "mixtral-8x22b": 140_630_071_296,
-    "mixtral-8x7b": 46_702_792_704,
-    "olmo3-32b": 32_233_522_176,
-    "olmo3-7b-pt": 7_298_011_136,
-    "olmo3-7b": 7_298_011_136,
-    "qwen2.5-1.5b": 1_543_714_304,
-    "qwen2.5-14b": 14_770_033_664,
-    "qwen2.5-7b": 7_615_616_512,
-    "qwen3-0.6b": 596_049_920,
-    "qwen3-1.7b-base": 1_720_574_976,
-    "qwen3-1.7b": 1_720_574_976,
-    "qwen3-14b-base": 14_768_307_200,
-    "qwen3-14b": 14_768_307_200,
-    "qwen3-235b-a22b": 235_093_634_560,
-    "qwen3-30b-a3b-base": 30_532_122_624,
-    "qwen3-30b-a3b": 30_532_122_624,
-    "qwen3-32b": 32_762_123_264,
-    "qwen3-480b-a35b": 480_154_875_392,
-    "qwen3-4b-base": 4_022_468_096,
-    "qwen3-4b-thinking-2507": 4_022_468_096,
-    "qwen3-4b": 4_022_468_096,
-    "qwen3-8b-base": 8_190_735_360,
-    "qwen3-8b": 8_190_735_360,
-    "qwen3-next-80b-a3b": 79_674_391_296,
-    "qwen3.5-35b-a3b": 34_660_610_688,
-    "qwen3.5-397b-a17b": 396_346_350_336,
-}
+# e591f30), from the data file the docs' MaxText config table is generated from.
+MAXTEXT_MODELS = yaml.safe_load((REPO / "tests/data/maxtext/models.yml").read_text())["configs"]
+MAXTEXT_PARAMETERS = {name: entry["parameters"] for name, entry in MAXTEXT_MODELS.items() if "parameters" in entry}
 # Blocks whose shipped cards do not yet equal MaxText's model, and why.
 NOT_YET_EQUAL: dict[str, str] = {}
 
@@ -121,3 +66,20 @@ def test_every_block_with_a_card_is_checked_against_maxtext():
     shipped = {cards.load_config(name).decoder_block for name in cards.model_names()}
     assert shipped - checked == set(NOT_YET_EQUAL), sorted(shipped - checked)
     assert len(checked) >= 10, sorted(checked)
+
+
+def test_every_shipped_card_has_its_maxtext_config():
+    """The MaxText config list names every shipped card (with its block) and nothing else as a card."""
+    shipped = {name: cards.load_config(name).decoder_block for name in cards.model_names()}
+    assert {name: MAXTEXT_MODELS[name]["block"] for name in MAXTEXT_PARAMETERS} == shipped
+
+
+def test_qwen3_next_attention_output_has_maxtexts_three_names():
+    """MaxText's own activation dump of qwen3-next-80b-a3b (tpu7x-8, default rules; models/qwen3.py
+    gives its attention `out_axis_names` of three names) records the full attention's output as
+    `attentions/out: bfloat16[96,2048,16,256] ('activation_batch', 'activation_length', 'activation_embed')`."""
+    case = next(c for c in matrix_folders() if c.parts[-4] == "qwen3-next-80b-a3b")
+    tensors = json.loads((case / "activation_shardings.json").read_text())["tensors"]
+    outs = [entry for key, entry in tensors.items() if key.endswith("/attention/attention/attention_out")]
+    assert outs and all(entry["logical_axes"] == ["activation_batch", "activation_length", "activation_embed"]
+                        for entry in outs), outs

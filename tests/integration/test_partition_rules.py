@@ -288,7 +288,6 @@ def test_linen_example_check_is_judged_against_its_own_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("mesh_axes: [fsdp]\n", "give logical_axis_rules (logical names to mesh axes), partition_rules"),
     ("mesh_axes: [fsdp]\npartition_rules:\n  - ['(', [fsdp]]\n", "field partition_rules/0: '(' is not a regular expression"),
     ("mesh_axes: [fsdp]\npartition_rules:\n  - [wte, [fsdp, tensor]]\n",
      "field partition_rules/0 ('wte'): mesh axis 'tensor' is not in mesh_axes [fsdp]"),

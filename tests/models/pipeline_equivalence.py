@@ -53,10 +53,12 @@ def max_difference(stages: int, microbatches: int, repeats: int, per_stage: int,
         return w.reshape((w.shape[0], -1) + w.shape[lead + 2:])
 
     decoder = dict(params["decoder"])
-    stages_tree = decoder.pop("layers")["stages"]
+    stages_tree = decoder.pop("pipeline_module")["layers"]
     if per_stage == 1:  # [R,] N, a, ...: no layer axis of its own
         stages_tree = jax.tree.map(lambda w: np.expand_dims(w, lead + 1), stages_tree)
-    elif not scanned:  # layers_<k>/... each [R,] N, a, ...: stack them at the scan position
+    elif scanned:  # scanned_layers/... [R,] N, a, K, ...
+        stages_tree = stages_tree["scanned_layers"]
+    else:  # layers_<k>/... each [R,] N, a, ...: stack them at the scan position
         stages_tree = jax.tree.map(lambda *ws: np.stack(ws, axis=lead + 1),
                                    *(stages_tree[f"layers_{k}"] for k in range(per_stage)))
     stack = jax.tree.map(as_scan, stages_tree)

@@ -21,6 +21,7 @@ from sharding_dump.zoo.pipeline_plan import check_batch
 MATRIX = load_matrix()
 SETUPS = matrix_setups()
 PIPELINE_CASES = [c for c in MATRIX if SETUPS[c.label].pipeline is not None]
+STAGES = "/decoder/pipeline_module/layers/"  # MaxText's path of the stacked stages
 
 
 def test_matrix_has_the_pipeline_cases():
@@ -42,37 +43,39 @@ def test_stacked_layer_weights_are_laid_out_as_maxtext(case):
     has no layer axis of its own, K unscanned layers are `layers_<k>`, K scanned ones share one
     weight with `layers_per_stage` (size K) at position 1 of the layer's own axes."""
     named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
-    stacked = [path for path in named if "/stages/" in path]
+    stacked = [path for path in named if STAGES in path]
     assert len(stacked) >= 3 * 9  # params, mu and nu of every stacked weight
     pp = SETUPS[case.label].pipeline
     lead = ["circular_repeats", "layers"] if pp.num_repeats > 1 else ["layers"]
     unscanned = pp.layers_per_stage > 1 and not pp.scan_layers_per_stage
+    scanned = pp.layers_per_stage > 1 and pp.scan_layers_per_stage
     for path in stacked:
         axes, shape = logical[path]["logical_axes"], named[path]["shape"]
         assert axes[:len(lead)] == lead, (path, axes)
         assert shape[:len(lead)] == ([pp.num_repeats] if pp.num_repeats > 1 else []) + [pp.num_stages], path
         assert named[path]["partition_spec"][len(lead) - 1] == "stage", path
-        if pp.layers_per_stage > 1 and pp.scan_layers_per_stage:
+        if scanned:
             assert axes[len(lead) + 1] == "layers_per_stage" and shape[len(lead) + 1] == pp.layers_per_stage, path
         else:
             assert "layers_per_stage" not in axes, (path, axes)
-        stage_part = path.split("/stages/", 1)[1]
+        stage_part = path.split(STAGES, 1)[1]
         assert stage_part.startswith("layers_") == unscanned, path
+        assert stage_part.startswith("scanned_layers/") == scanned, path
     if unscanned:
-        assert {p.split("/stages/", 1)[1].split("/")[0] for p in stacked} == {
+        assert {p.split(STAGES, 1)[1].split("/")[0] for p in stacked} == {
             f"layers_{k}" for k in range(pp.layers_per_stage)}
 
 
 def test_layers_outside_the_pipeline_are_not_on_stage():
-    """MaxText names the layer axis of the layers a pipeline leaves out `layers_outside_pipeline` (no rule:
-    unsharded); DeepSeek's leftover MoE layers keep `moe_layers`, its dense layers `dense_layers`."""
+    """MaxText names the layers a pipeline leaves out, and their layer axis, `layers_outside_pipeline` (no
+    rule: unsharded); DeepSeek's leftover MoE layers keep `moe_layers`, its dense layers `dense_layers`."""
     for case in PIPELINE_CASES:
         setup = SETUPS[case.label]
         if setup.pipeline.num_layers == cards.pipelined_stack_length(setup.config):
             continue
         named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
-        outside = [p for p in named if p.startswith("params/") and "_outside_pipeline/" in p]
         want = "moe_layers" if setup.config.first_num_dense_layers else "layers_outside_pipeline"
+        outside = [p for p in named if p.startswith(f"params/decoder/{want}/")]
         assert outside
         for path in outside:
             axes = logical[path]["logical_axes"]
@@ -150,9 +153,9 @@ def test_deepseek_dense_layers_split_over_stage_as_data():
     logical_axis_rules_pp_act_as_dp: their activation batch goes over stage, just before data."""
     case = next(c for c in PIPELINE_CASES if c.model == "deepseek2-16b" and "pipeline_parallel_layers" in dict(c.overrides))
     acts = committed_golden(case, "activation_shardings.json")["tensors"]
-    for key in ("forward/decoder/dense_layers/inputs", "forward/decoder/moe_layers_outside_pipeline/inputs"):
+    for key in ("forward/decoder/dense_layers/inputs", "forward/decoder/moe_layers/inputs"):
         assert acts[key]["partition_spec"][0][:2] == ["stage", "data"], (key, acts[key]["partition_spec"])
-    piped = acts["forward/decoder/moe_layers/stages/inputs"]["partition_spec"]
+    piped = acts["forward/decoder/pipeline_module/layers/inputs"]["partition_spec"]
     assert "stage" not in json.dumps(piped[1:]), piped
 
 
@@ -214,3 +217,25 @@ def test_pipelined_logits_equal_the_plain_stack():
     for row in rows:
         assert row["ppermute"], row
         assert row["max_abs_diff"] <= 1e-5 * row["scale"] and row["scale"] > 0.1, row
+
+
+# MaxText (e591f30) counts a pipeline's layers in units of the pipelined stack, which is a scanned
+# block for these blocks; its own dumps of the pipelined cases hold these parameter counts.
+SCAN_BLOCK_PIPELINES = [
+    ("gemma4-31b", "tpu7x-8", {"ici_pipeline_parallelism": 2}, PipelineConfig(2, 2, 30, 60, 1, False), 360),
+    ("olmo3-32b", "tpu7x-8", {"ici_pipeline_parallelism": 4}, PipelineConfig(4, 4, 16, 64, 1, False), 256),
+    ("olmo3-32b", "tpu7x-8", {"ici_pipeline_parallelism": 4, "num_pipeline_repeats": 2,
+                              "num_layers_per_pipeline_stage": 8}, PipelineConfig(4, 4, 2, 64, 8, False), 256),
+    ("gemma3-4b", "tpu7x-8", {"ici_pipeline_parallelism": 2}, PipelineConfig(2, 2, 17, 34, 1, False), 34),
+]
+
+
+@pytest.mark.parametrize("model,topology,overrides,expected,layers", SCAN_BLOCK_PIPELINES,
+                         ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for m, _, o, _, _ in SCAN_BLOCK_PIPELINES])
+def test_pipelines_count_units_of_the_stack_as_maxtext(model, topology, overrides, expected, layers):
+    """gemma4's unit is a scanned block of 6 layers, olmo3's of 4: MaxText's default pipeline takes
+    `num_decoder_layers` of them (so 360 and 256 layers); Gemma 3 pipelines single layers."""
+    setup = setup_case(Case.make(model, topology, "default", overrides=overrides))
+    assert setup.pipeline == expected
+    assert cards.built_layers(setup.config, pipelined=True) == layers
+    assert cards.built_layers(setup.config, pipelined=False) == setup.config.num_decoder_layers

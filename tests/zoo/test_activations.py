@@ -33,12 +33,15 @@ def qwen_trace():
     return trace(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"ici_tensor_parallelism": 4}))
 
 
-def test_every_constraint_of_the_step_is_recorded(qwen_trace):
-    """The step works on the parameter values, so flax adds no parameter-read constraints, and every
-    constraint the model places is noted: none may be left without a call site."""
+def test_every_constraint_of_the_step_is_named(qwen_trace):
+    """Every constraint of the step is read from its jaxpr; the zoo's models place each one through
+    `constrain`, so none is keyed by a bare call site, and the step works on the parameter values, so
+    flax adds no parameter-read constraints."""
     setup, st, closed, rec = qwen_trace
-    assert activations.unrecorded_constraints(closed) == []
-    assert len(activations.read_constraints(closed, rec)) > 30
+    found = activations.read_constraints(closed, rec)
+    assert len(found) > 30
+    assert [c.key for c in found if "-L" in c.name] == []
+    assert {c.name for c in found} == {s.name for s in rec.sites}
 
 
 def test_constraints_forward_backward_and_rule_resolution(qwen_trace):
@@ -72,6 +75,9 @@ def test_recording_is_scoped_to_one_trace():
     assert first.token != second.token
     with pytest.raises(ValueError, match="2 logical axes for a rank-1 array"):
         constrain(jnp.ones(3), ("b", None), "bad")
+    with nn.logical_axis_rules((("b", None),)), activations.recording() as fewer:
+        constrain(x, ("b",), "fewer")  # the last dimension left free, recorded as named (MaxText's Qwen3-Next)
+    assert [s.logical_axes for s in fewer.sites] == [("b",)]
     with pytest.raises(ValueError, match="activation name 'a/b'"):
         constrain(x, ("b", None), "a/b")
 

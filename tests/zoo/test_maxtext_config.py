@@ -152,12 +152,12 @@ def test_layout_relevant_unsupported_key_is_one_line_naming_it(tmp_path, capsys,
     assert not out.exists()
 
 
-def test_readme_shows_the_refusal_as_printed(tmp_path, capsys):
-    shown = next(line for line in (REPO / "README.md").read_text().splitlines()
+def test_docs_show_the_refusal_as_printed(tmp_path, capsys):
+    shown = next(line for line in (REPO / "docs/maxtext/run-configuration.md").read_text().splitlines()
                  if line.startswith("sharding-dump: error: the command line: quantization"))
     assert cli.main(["--maxtext-config", str(RUN), "quantization=int8", "--golden-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == shown + "\n"
-    assert len(base_keys()) == 696  # the count the README gives
+    assert len(base_keys()) == 696  # the count docs/maxtext/run-configuration.md gives
 
 
 def test_refused_key_in_the_run_file_names_the_file(tmp_path, capsys):
@@ -216,12 +216,22 @@ def test_verify_is_told_what_it_compiles_otherwise():
 
 # --- every card is its MaxText model config --------------------------------------------------------
 
+# Run settings that MaxText's model configs set beside the model (its GPT-3 configs train with
+# adam_pax, two of them on 1024-token sequences): the case of such a config has them.
+MODEL_CONFIG_SETTINGS = {
+    "gpt3-52k": {"opt_type": "adam_pax"},
+    "gpt3-6b": {"opt_type": "adam_pax", "max_target_length": 1024},
+    "gpt3-22b": {"opt_type": "adam_pax", "max_target_length": 1024},
+    "gpt3-175b": {"opt_type": "adam_pax"},
+}
+
+
 @pytest.mark.parametrize("card", cards.model_names())
 def test_every_card_composes_from_maxtexts_model_config(card):
     """base.yml + models/<card>.yml, as MaxText composes them, is the card (every layout-relevant key
     equal) under MaxText's base rules merged with the model config's."""
     case = read(f"model_name={card}", config=BASE, topology="v5p-16")
-    assert case == Case.make(card, "v5p-16", "default")
+    assert case == Case.make(card, "v5p-16", "default", overrides=MODEL_CONFIG_SETTINGS.get(card, {}))
 
 
 def test_a_card_that_drifts_from_maxtext_is_refused(tmp_path):

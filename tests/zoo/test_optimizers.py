@@ -188,13 +188,13 @@ def test_zoo_opt_types_change_the_state_as_in_maxtext(tmp_path):
     ("optimizer=no_such_module:adafactor", "optimizer 'no_such_module:adafactor': cannot import no_such_module"),
     ("optimizer=examples.optimizers:nope", "optimizer 'examples.optimizers:nope': examples.optimizers has no attribute 'nope'"),
     ("optimizer=examples.optimizers:__doc__", "is a str, not a callable returning an optimizer"),
-    ("optimizer=tests.zoo.test_optimizers:raising", "optimizer=tests.zoo.test_optimizers:raising: calling raising() raised "
-                                                "ValueError: learning rate must be positive"),
+    ("optimizer=tests.zoo.test_optimizers:raising", "optimizer=tests.zoo.test_optimizers:raising: calling raising() failed "
+                                                "with ValueError: learning rate must be positive"),
     ("optimizer=tests.zoo.test_optimizers:not_an_optimizer", "not_an_optimizer() returned 'dict', not an optax optimizer"),
     ("optimizer=tests.zoo.test_optimizers:failing_init", "optimizer=tests.zoo.test_optimizers:failing_init: init(params) "
-                                                     "raised TypeError: expected a list of arrays (the harness passed"),
+                                                     "failed with TypeError: expected a list of arrays (the harness passed"),
     ("optimizer=tests.zoo.test_optimizers:failing_update", "optimizer=tests.zoo.test_optimizers:failing_update: update(grads, "
-                                                       "state, params) raised ValueError: this optimizer needs a loss"),
+                                                       "state, params) failed with ValueError: this optimizer needs a loss"),
 ])
 def test_bad_optimizers_are_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(REPO)

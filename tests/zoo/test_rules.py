@@ -58,7 +58,6 @@ def write(tmp_path, text, name="mine.yml"):
 @pytest.mark.parametrize("text,message", [
     ("mesh_axes: [fsdp\n", "not valid YAML"),
     ("[1, 2]\n", "field \\(top level\\): must be an object"),
-    ("mesh_axes: [fsdp]\n", "give logical_axis_rules .logical names to mesh axes., partition_rules"),
     ("mesh_axes: [fsdp]\nlogical_axis_rules: [[embed, tensor]]\n", "mesh axis 'tensor' is not in mesh_axes"),
     ("mesh_axes: [fsdp]\nlogical_axis_rules: [[embed, 3]]\n", "logical_axis_rules/0/1"),
     ("mesh_axes: [stage, pipeline]\nlogical_axis_rules: [[embed, stage]]\n",

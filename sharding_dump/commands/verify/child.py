@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sharding_dump.commands.verify.run import COMPILING
+
 # After the partitioner's shardy pass: the module with global shapes and every instruction's sharding.
 PROPAGATED_DUMP = "after_shardy-xla"
 
@@ -113,6 +115,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             jitted = jax.jit(parts.step, in_shardings=(state_shardings, batch_shardings),  # metrics replicated
                              out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
             lowered = jitted.lower(parts.state, parts.batch)
+            Path(request["work"], COMPILING).touch()  # the parent bounds the compile from now
             try:
                 compiled = lowered.compile(compiler_options=options)
             except Exception as err:  # XLA's verdict, e.g. RESOURCE_EXHAUSTED on a TPU topology
@@ -137,8 +140,27 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    """Exit 0 with the figures in result.json; 2 with `bad_input`, the one line the parent prints
+    (the case's own bad input: a program that fails, exits or runs out of time); 1 with `error`, what
+    ended the child otherwise (a MemoryError, a compiler crash)."""
+    from sharding_dump.core.boundary import first_line, time_limit
+    from sharding_dump.errors import BadInput, one_line
+
     work = Path(argv[0])
-    answer = run(json.loads((work / "request.json").read_text(encoding="utf-8")))
+    request = json.loads((work / "request.json").read_text(encoding="utf-8"))
+    request["work"] = str(work)
+    try:
+        with time_limit(request.get("time_limit")):
+            answer = run(request)
+    except BadInput as err:
+        (work / "result.json").write_text(json.dumps({"bad_input": one_line(str(err))}), encoding="utf-8")
+        return 2
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001: the parent names it (MemoryError, a compiler crash)
+        err.__traceback__ = None  # let go of what a MemoryError holds on to
+        (work / "result.json").write_text(json.dumps({"error": one_line(first_line(err))[:500]}), encoding="utf-8")
+        return 1
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open("/proc/self/status", encoding="utf-8") as status:
         kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from sharding_dump.commands.verify.hlo import Replicated, Traffic
 from sharding_dump.commands.verify.result import CaseResult
 from sharding_dump.commands.verify.settings import Options, tpu_topologies
 from sharding_dump.commands.verify.xla_log import rematerializations
+from sharding_dump.core.boundary import LIMIT_HINT, current_limit, seconds_text
 from sharding_dump.core.format import NAMED_FILE
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import PACKAGE_DIR
@@ -46,6 +48,52 @@ def _child_env(devices: int, tpu: bool, work: Path) -> dict[str, str]:
     return env
 
 
+COMPILING = "compiling"  # the file the child touches when it starts to compile: the compile's clock starts
+POLL_SECONDS = 0.1
+
+
+def _run_child(case: Any, work: Path, log: Any, env: dict[str, str], limit: float) -> int:
+    """Runs the compiling child; its exit status. The compile it starts may take `limit` seconds (the
+    child bounds the user's code itself); a Ctrl-C here (or any other way out) ends the child too."""
+    proc = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.verify.child", str(work)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                started = (work / COMPILING).stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if time.time() - started > limit:
+                raise BadInput(f"verify {case.label}: compiling the training step did not finish within the time limit "
+                               f"of {seconds_text(limit)} ({LIMIT_HINT})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _child_failure(returncode: int, answer: dict[str, Any], log_text: str) -> str:
+    """Why the compiling child failed, by its own account when it gave one (an error it caught, such
+    as MemoryError), else by the signal that killed it, else by the last line it wrote."""
+    if answer.get("error"):
+        return f"the compiling process failed with {answer['error']}"
+    tail = [line.strip() for line in log_text.splitlines() if line.strip()][-1:]
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        if name == "SIGKILL":  # no last words: the kernel's OOM killer gives none
+            return f"the compiling process was killed by {name} (the kernel's out-of-memory killer sends it when " \
+                   "memory runs out)"
+        return f"the compiling process was killed by {name}" + (f": {tail[0][:500]}" if tail else "")
+    return f"the compiling process exited with status {returncode}: {(tail or ['(no output)'])[0][:500]}"
+
+
 def case_request(case: Any) -> dict[str, Any]:
     """The case as the child rebuilds it."""
     return {"model": case.model, "topology": case.topology, "rule": case.rule, "num_slices": case.num_slices,
@@ -74,8 +122,10 @@ def verify_case(case: Any, options: Options) -> CaseResult:
 
     topology = load_topology(case.topology, case.num_slices)
     golden = golden_specs(case, options.golden_dir)
+    limit = current_limit()
     request = {"case": case_request(case), "golden": golden, "threshold": options.replicated_threshold,
-               "tpu": options.tpu, "tpu_topology": tpu_topologies().get(case.topology) if options.tpu else None}
+               "tpu": options.tpu, "tpu_topology": tpu_topologies().get(case.topology) if options.tpu else None,
+               "time_limit": limit}
     result = CaseResult(case.label, "tpu" if options.tpu else "cpu", topology.num_devices,
                         topology.hbm_bytes_per_device, threshold=options.replicated_threshold)
     if golden is None:
@@ -85,17 +135,16 @@ def verify_case(case: Any, options: Options) -> CaseResult:
         work = Path(tmp)
         (work / "request.json").write_text(json.dumps(request), encoding="utf-8")
         with open(work / "xla.log", "wb") as log:  # the child's fd 2: XLA's C++ warnings land here
-            proc = subprocess.run([sys.executable, "-m", "sharding_dump.commands.verify.child", str(work)],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                  env=_child_env(topology.num_devices, options.tpu, work))
+            returncode = _run_child(case, work, log, _child_env(topology.num_devices, options.tpu, work), limit)
         log_text = (work / "xla.log").read_text(encoding="utf-8", errors="replace")
         answer_path = work / "result.json"
-        if proc.returncode != 0 or not answer_path.is_file():
-            tail = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
-            result.compile_error = f"the compiling process exited with status {proc.returncode}: {tail[0][:500]}"
+        answer = json.loads(answer_path.read_text(encoding="utf-8")) if answer_path.is_file() else {}
+        if answer.get("bad_input"):  # the case's own bad input (a program that fails): the child's line
+            raise BadInput(answer["bad_input"])
+        if returncode != 0 or not answer or answer.get("error"):
+            result.compile_error = _child_failure(returncode, answer, log_text)
             result.wall_seconds = time.perf_counter() - start
             return result
-        answer = json.loads(answer_path.read_text(encoding="utf-8"))
     result.wall_seconds = time.perf_counter() - start
     result.jax_version = answer["jax_version"]
     result.cpu_seconds, result.peak_rss_bytes = answer["cpu_seconds"], answer["peak_rss_bytes"]

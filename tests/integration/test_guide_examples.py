@@ -1,4 +1,5 @@
-"""The README's "Your own model" section runs as written: its model, rule file, dump command and test."""
+"""The users' guide runs as written: "Your own model" (its model, rule file, dump command and test,
+the partition rules, the Adafactor table) and "Your own training program" (its programs and commands)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import shlex
 from helpers import REPO
 from sharding_dump.commands import cli
 
-SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
+PAGE = REPO.joinpath("docs/guide/your-own-model.md").read_text()
+SECTION = PAGE.split("\n## ", 1)[0]
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", SECTION, re.S)
 
 
@@ -17,7 +19,7 @@ def block(lang: str, index: int = 0) -> str:
     return [code for kind, code in BLOCKS if kind == lang][index]
 
 
-def test_readme_model_dumps_and_its_test_passes(tmp_path, monkeypatch, pytester=None):
+def test_guide_model_dumps_and_its_test_passes(tmp_path, monkeypatch, pytester=None):
     (tmp_path / "mylm.py").write_text(block("python"))
     (tmp_path / "rules.yml").write_text(block("yaml"))
     monkeypatch.chdir(tmp_path)
@@ -32,8 +34,8 @@ def test_readme_model_dumps_and_its_test_passes(tmp_path, monkeypatch, pytester=
     assert sum(1 for p in named if p.startswith("params/")) == 9
 
 
-def test_readme_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, pytester):
-    """The README's test, run by pytest in the user's folder, passes on the golden its command wrote
+def test_guide_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, pytester):
+    """The page's test, run by pytest in the user's folder, passes on the golden its command wrote
     and fails once the rule file changes a line."""
     for path in (pytester.path / "mylm.py", pytester.path / "rules.yml"):
         path.write_text(block("python") if path.suffix == ".py" else block("yaml"))
@@ -50,16 +52,16 @@ def test_readme_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, p
 
 
 def subsection(title: str) -> str:
-    return SECTION.split(f"### {title}", 1)[1].split("\n### ", 1)[0]
+    return PAGE.split(f"\n## {title}", 1)[1].split("\n## ", 1)[0]
 
 
-def test_readme_partition_rules_are_the_example_rule_file():
+def test_guide_partition_rules_are_the_example_rule_file():
     (excerpt,) = re.findall(r"```yaml\n(.*?)```", subsection("Weights placed by path"), re.S)
     example = REPO.joinpath("examples/regex_llama.yml").read_text().splitlines()
     assert all(line in example for line in excerpt.splitlines())
 
 
-def test_readme_adafactor_table_is_what_show_prints(monkeypatch, capsys):
+def test_guide_adafactor_table_is_what_show_prints(monkeypatch, capsys):
     text = subsection("Your own optimizer")
     (command,) = re.findall(r"```bash\n(.*?)```", text, re.S)
     (shown,) = re.findall(r"```\n(.*?)```", text, re.S)
@@ -71,10 +73,10 @@ def test_readme_adafactor_table_is_what_show_prints(monkeypatch, capsys):
             assert printed[line.split()[0]] == line.split(), line
 
 
-PROGRAMS = REPO.joinpath("README.md").read_text().split("## Your own training program", 1)[1].split("\n## ", 1)[0]
+PROGRAMS = REPO.joinpath("docs/guide/your-own-program.md").read_text()
 
 
-def test_readme_programs_dump(tmp_path, monkeypatch):
+def test_guide_programs_dump(tmp_path, monkeypatch):
     """Both programs of "Your own training program" dump with the commands shown, with the layouts
     the text states."""
     code = re.findall(r"```python\n(.*?)```", PROGRAMS, re.S)[0]

@@ -1,0 +1,175 @@
+"""Pictures for a reviewer, drawn from a layout alone (no devices, no jax): a tensor's split over the
+mesh as a text grid (`sharding-dump show --tensor`), and memory per device before and after as a
+mermaid bar chart GitHub renders in a pull-request comment (`sharding-dump diff --format markdown`)
+or an inline SVG for the HTML report (`--format html`).
+
+A block of a split dimension is named by the coordinates of the mesh axes that split it, the first
+axis of a spec entry the major one (as JAX lays blocks out); the devices that differ only on the other
+mesh axes hold the same block.
+
+>>> print(split_grid("w", [8, 6], "float32", ["embed", "mlp"], ["fsdp", "tensor"], {"fsdp": 2, "tensor": 3}))
+w: float32[8,6], spec ["fsdp","tensor"] on mesh fsdp=2 x tensor=3 (6 devices)
+  dim 0 (embed): 8 split 2 ways over fsdp, 4 per device
+  dim 1 (mlp): 6 split 3 ways over tensor, 2 per device
+each device holds float32[4,2] (32 Bytes); each block is on 1 device
+<BLANKLINE>
++-----------------+----------+----------+----------+
+| dim 0 \\ dim 1   | 0:2      | 2:4      | 4:6      |
++=================+==========+==========+==========+
+| 0:4             | fsdp 0   | fsdp 0   | fsdp 0   |
+|                 | tensor 0 | tensor 1 | tensor 2 |
++-----------------+----------+----------+----------+
+| 4:8             | fsdp 1   | fsdp 1   | fsdp 1   |
+|                 | tensor 0 | tensor 1 | tensor 2 |
++-----------------+----------+----------+----------+
+>>> print(memory_chart({"params": (2**30, 3 * 2**30), "opt_state": (2 * 2**30, 6 * 2**30), "step": (4, 4)}))
+```mermaid
+xychart-beta
+    title "Memory per device, before and after"
+    x-axis ["params before", "params after", "opt_state before", "opt_state after"]
+    y-axis "GiB per device"
+    bar [1.00, 3.00, 2.00, 6.00]
+```
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from tabulate import tabulate
+
+from sharding_dump.commands import tables
+from sharding_dump.core import specs
+from sharding_dump.golden import diff
+
+MAX_BLOCKS = 8  # blocks drawn per direction of the grid; the middle ones of a longer split are elided
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("Bytes", 1))
+GROUP_ORDER = ("params", "opt_state")
+
+
+def _shown(count: int, limit: int = MAX_BLOCKS) -> list[int | None]:
+    """Block indices to draw: all of them, or the first ones, None (elided) and the last."""
+    if count <= limit:
+        return list(range(count))
+    return [*range(limit - 2), None, count - 1]
+
+
+def _block_range(index: int, size: int, pieces: int) -> str:
+    per = -(-size // pieces)
+    return f"{min(index * per, size)}:{min((index + 1) * per, size)}"
+
+
+def _coordinates(index: int, axes: Sequence[str], sizes: Mapping[str, int]) -> list[str]:
+    """`['fsdp 1', 'tensor 0']`: the mesh coordinates of block `index` of a dimension split over `axes`."""
+    out = []
+    for axis in reversed(axes):
+        index, coordinate = divmod(index, sizes[axis])
+        out.append(f"{axis} {coordinate}")
+    return out[::-1]
+
+
+def split_grid(path: str, shape: Sequence[int], dtype: str, logical_axes: Sequence[str | None],
+               spec: Sequence[object] | None, sizes: Mapping[str, int]) -> str:
+    """How one tensor is split over the mesh, as text: per dimension the mesh axes that split it, what
+    one device holds, and a grid of the blocks of the first two split dimensions (rows and columns),
+    each cell naming the mesh coordinates that hold it. Mesh axes of size 1 split nothing and are
+    left out. Like `jax.debug.visualize_array_sharding`, but from the layout, so any rank and mesh."""
+    ndim = len(shape)
+    axes = specs.spec_axes(spec, ndim, sizes)
+    pieces = [math.prod(sizes[a] for a in dim_axes) for dim_axes in axes]
+    per_device = [-(-n // k) for n, k in zip(shape, pieces)]
+    devices = math.prod(sizes.values())
+    held_by = devices // math.prod(pieces)
+    mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "a single device"
+    spec_json = specs.spec_to_json(spec, ndim, sizes)
+    lines = [f"{path}: {dtype}{diff.compact(list(shape))}, spec {diff.compact(spec_json)} on mesh {mesh} "
+             f"({devices} device{'s' * (devices != 1)})"]
+    for dim, (size, dim_axes) in enumerate(zip(shape, axes)):
+        name = f"dim {dim}" + (f" ({logical_axes[dim]})" if dim < len(logical_axes) and logical_axes[dim] else "")
+        how = (f"split {pieces[dim]} ways over {', '.join(dim_axes)}, {per_device[dim]} per device" if dim_axes
+               else "whole")
+        lines.append(f"  {name}: {size} {how}")
+    replicas = [f"{a}={n}" for a, n in sizes.items() if n > 1 and not any(a in d for d in axes)]
+    spread = f"each block is on {held_by} device{'s' * (held_by != 1)}" + (
+        f" (replicated over {' x '.join(replicas)})" if replicas else "")
+    held = math.prod(per_device) * specs.itemsize(dtype)
+    lines.append(f"each device holds {dtype}{diff.compact(per_device)} ({tables.format_bytes(held)}); {spread}")
+    split = [dim for dim in range(ndim) if axes[dim]]
+    if not split:
+        return "\n".join(lines)
+    row_dim, col_dim = split[0], (split[1] if len(split) > 1 else None)
+    if len(split) > 2:
+        lines.append("each cell is further split over " + ", ".join(
+            f"dim {d} ({pieces[d]} ways over {', '.join(axes[d])})" for d in split[2:]))
+    columns = _shown(pieces[col_dim]) if col_dim is not None else [0]
+    header = [f"dim {row_dim}" + (f" \\ dim {col_dim}" if col_dim is not None else "")]
+    if col_dim is None:
+        header.append("held by")
+    else:
+        header += ["..." if c is None else _block_range(c, shape[col_dim], pieces[col_dim]) for c in columns]
+    rows = []
+    for r in _shown(pieces[row_dim]):
+        label = "..." if r is None else _block_range(r, shape[row_dim], pieces[row_dim])
+        cells = []
+        for c in columns:
+            if r is None or c is None:
+                cells.append("...")
+                continue
+            where = _coordinates(r, axes[row_dim], sizes)
+            if col_dim is not None:
+                where += _coordinates(c, axes[col_dim], sizes)
+            cells.append("\n".join(where))
+        rows.append([label, *cells])
+    grid = tabulate(rows, headers=header, tablefmt="grid", disable_numparse=True)
+    return "\n".join([*lines, "", grid])
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
+
+
+def _chart_groups(memory: Mapping[str, tuple[int | None, int | None]]) -> dict[str, tuple[int, int]] | None:
+    """The parts of the state to chart (not the total), in state order; None when nothing moved or a
+    side has no byte counts."""
+    groups = sorted((g for g in memory if g != "total"),
+                    key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g))
+    values = {g: memory[g] for g in groups}
+    if all(old == new for old, new in values.values()) or any(None in pair for pair in values.values()):
+        return None
+    return values  # type: ignore[return-value]
+
+
+def memory_svg(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
+    """The same figures as :func:`memory_chart`, as an inline SVG of horizontal bars (before grey,
+    after blue), each labelled with its size: for the HTML report, which needs no script to show it."""
+    values = _chart_groups(memory)
+    if values is None:
+        return None
+    largest = max(max(pair) for pair in values.values()) or 1
+    row, label, bar = 22, 150, 300
+    rows = [(f"{g} {side}", v, side) for g, pair in values.items() for side, v in zip(("before", "after"), pair)]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label + bar + 110}" height="{row * len(rows) + 4}" '
+           f'role="img" aria-label="memory per device, before and after">']
+    for i, (name, v, side) in enumerate(rows):
+        y, width = i * row + 2, round(bar * v / largest)
+        colour = "#9e9e9e" if side == "before" else "#1e88e5"
+        out += [f'<text x="0" y="{y + 15}" font-size="13">{name}</text>',
+                f'<rect x="{label}" y="{y + 3}" width="{width}" height="{row - 6}" fill="{colour}"/>',
+                f'<text x="{label + width + 6}" y="{y + 15}" font-size="13">{tables.format_bytes(v)}</text>']
+    return "".join(out) + "</svg>"
+
+
+def memory_chart(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
+    """A mermaid `xychart-beta` bar chart of memory per device per part of the state (params,
+    opt_state, ...; not the total), a bar before and a bar after each; None when nothing moved or a
+    side has no byte counts. GitHub renders it in a comment; elsewhere it reads as a code block."""
+    values = _chart_groups(memory)
+    if values is None:
+        return None
+    name, size = _unit(max(max(pair) for pair in values.values()))  # type: ignore[type-var]
+    shown = {g: pair for g, pair in values.items() if max(pair) / size >= 0.005}  # type: ignore[type-var]
+    labels = ", ".join(f'"{g} {side}"' for g in shown for side in ("before", "after"))
+    bars = ", ".join(f"{v / size:.2f}" for pair in shown.values() for v in pair)  # type: ignore[operator]
+    return "\n".join(["```mermaid", "xychart-beta", '    title "Memory per device, before and after"',
+                      f"    x-axis [{labels}]", f'    y-axis "{name} per device"', f"    bar [{bars}]", "```"])

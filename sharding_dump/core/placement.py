@@ -1,0 +1,147 @@
+"""Where a program places its own state: the shardings its init declares, and the older flax
+partitioning API's `params_axes` collection.
+
+A program may place its weights itself rather than name their logical axes in flax boxes:
+
+* in the output's *type* (sharding in types): `jax.jit(init, out_shardings=...)`, `jax.device_put`,
+  `jax.sharding.reshard` or `jax.lax.with_sharding_constraint` on what init returns. On an Explicit
+  mesh JAX carries the sharding in the output's type; on an Auto mesh the traced init still holds
+  what the program declared. :func:`declared_specs` reads both from init's jaxpr, so a program that
+  shards a weight can never have it dumped whole.
+* in the `params_axes` collection of `flax.linen.partitioning.param_with_axes` (t5x, flaxformer):
+  one `AxisMetadata(names)` per parameter beside the `params` collection. :func:`box_params_axes`
+  boxes each parameter with its names (:class:`AxesBox`), so the rule file's logical rules place it
+  and its optimizer slots as they place a linen box, and the dump can say where it came from.
+
+Each leaf's layout names its source (:data:`SOURCES`): `type`, `box`, `params_axes`, `regex` or `none`.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+>>> mesh = AbstractMesh((2,), ("x",), axis_types=(AxisType.Auto,))
+>>> def init():
+...     shard = NamedSharding(jax.sharding.get_abstract_mesh(), P("x"))
+...     return jax.jit(lambda: {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}, out_shardings={"w": shard, "b": None})()
+>>> with jax.sharding.use_abstract_mesh(mesh):
+...     [spec if spec is None else tuple(spec) for spec in declared_specs(jax.make_jaxpr(init)())]
+[None, ('x',)]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+SOURCES = ("type", "box", "params_axes", "regex", "none")  # where a leaf's spec came from, by precedence
+AXES_COLLECTION = "params_axes"  # flax.linen.partitioning's collection of per-parameter axis names
+_JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
+
+
+class AxesBox(nn.Partitioned):
+    """A parameter boxed with the names its `params_axes` entry gives it (the older flax API)."""
+
+
+def _sharded(spec: Any) -> PartitionSpec | None:
+    """The spec when it splits anything (an all-None or empty spec places nothing)."""
+    return spec if spec is not None and any(entry is not None for entry in spec) else None
+
+
+def _named(sharding: Any) -> PartitionSpec | None:
+    return _sharded(sharding.spec) if isinstance(sharding, NamedSharding) else None
+
+
+def _given(sharding: Any) -> PartitionSpec | None:
+    """The spec of a sharding a program gave explicitly (replicated included: it said so)."""
+    return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def _producer_spec(jaxpr: Any, var: Any) -> PartitionSpec | None:
+    """The spec the equation producing `var` declares (following it into a jit's body), if any."""
+    found = next(((eqn, i) for eqn in reversed(jaxpr.eqns) for i, out in enumerate(eqn.outvars) if out is var), None)
+    if found is None:  # an input passed through
+        return None
+    eqn, index = found
+    name, params = eqn.primitive.name, eqn.params
+    if name in _JIT:
+        inner = params["jaxpr"].jaxpr
+        declared = _given(params["out_shardings"][index])
+        return declared if declared is not None else _producer_spec(inner, inner.outvars[index])
+    if name == "sharding_constraint":
+        return _given(params["sharding"])
+    if name == "reshard":
+        return _given(params["dst_sharding"])
+    if name == "device_put":
+        return _given(params["devices"][index])
+    return None
+
+
+def declared_specs(closed: Any) -> list[PartitionSpec | None]:
+    """Per output of a traced init (a ClosedJaxpr), the spec the program gives it: what the equation
+    producing it declares (a jit's `out_shardings`, a constraint, a `reshard` or `device_put`,
+    replicated included), else the sharding in its type when that splits it (Explicit mesh), else
+    None."""
+    out = []
+    for var in closed.jaxpr.outvars:
+        if isinstance(var, jax.extend.core.Literal):
+            out.append(None)
+            continue
+        declared = _producer_spec(closed.jaxpr, var)
+        out.append(declared if declared is not None else _named(getattr(var.aval, "sharding", None)))
+    return out
+
+
+def placed_outputs(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) -> tuple[Any, dict[str, PartitionSpec]]:
+    """The abstract outputs of init (a pytree of ShapeDtypeStructs) with each declared spec in its
+    leaf's type, as a trainer's state holds it after its jitted init, and {leaf path: declared spec}."""
+    from sharding_dump.core.layout import path_text
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
+    declared = {path_text(key_path): spec for (key_path, _), spec in zip(flat, specs) if spec is not None}
+    return placed(shapes, declared, mesh), declared
+
+
+def placed(state: Any, specs: Mapping[str, PartitionSpec], mesh: Any) -> Any:
+    """`state` (abstract, boxed or not) with every leaf named in `specs` ({path: spec}) carrying that
+    sharding in its type on `mesh`."""
+    from sharding_dump.core.layout import path_text
+
+    def typed(key_path: Any, leaf: Any) -> Any:
+        spec = specs.get(path_text(key_path))
+        if spec is None or not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec), weak_type=leaf.weak_type)
+
+    return jax.tree_util.tree_map_with_path(typed, state, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def box_params_axes(variables: Any) -> Any:
+    """Every Mapping in `variables` that holds both `params` and `params_axes` (flax variables, or a
+    state keeping them side by side) with each parameter boxed as an :class:`AxesBox` of its names;
+    anything else as it was."""
+    from flax.core import unfreeze
+    from flax.linen import partitioning
+
+    if isinstance(variables, Mapping):
+        items = dict(variables)
+        if "params" in items and AXES_COLLECTION in items:
+            names = partitioning.get_axis_names(unfreeze(items[AXES_COLLECTION]))
+            items["params"] = _boxed(unfreeze(items["params"]), unfreeze(names))
+            return items
+        return {key: box_params_axes(value) for key, value in items.items()}
+    return variables
+
+
+def _boxed(params: Any, names: Any) -> Any:
+    if isinstance(params, Mapping):
+        return {key: _boxed(value, names.get(key) if isinstance(names, Mapping) else None)
+                for key, value in params.items()}
+    if isinstance(names, PartitionSpec) and not isinstance(params, nn.Partitioned):
+        return AxesBox(params, names=tuple(names))
+    return params
+
+
+def source_of(leaf: Any) -> str:
+    """`params_axes` for a parameter boxed from that collection, `box` for any other box."""
+    return "params_axes" if isinstance(leaf, AxesBox) else "box"
