@@ -55,3 +55,15 @@ def test_three_groups_run_each_case_exactly_once(pytester: pytest.Pytester, monk
     assert sorted(sum(groups, [])) == sorted(everything)  # none lost, none twice
     assert [group.count("pyproject.toml::no stale goldens") for group in groups].count(1) == 1
     assert collected(*group_args(job, 2)) == groups[1]  # deterministic
+
+
+def test_every_case_has_a_committed_duration() -> None:
+    """.test_durations, which pytest-split balances the groups by, names every case of the matrix and
+    nothing else (a case missing from it counts as the average, so the groups drift apart as cases are
+    added; refresh it with the command in the workflow's header)."""
+    import json
+
+    durations = json.loads((REPO / ".test_durations").read_text())
+    expected = {f"pyproject.toml::{case.label}" for case in load_matrix()} | {"pyproject.toml::no stale goldens"}
+    assert set(durations) == expected, (sorted(expected - set(durations)), sorted(set(durations) - expected))
+    assert all(isinstance(seconds, float) and seconds > 0 for seconds in durations.values())
