@@ -77,8 +77,9 @@ class Input:
             raise ProgramError(f"Input(shape={shown(shape)}): give a tuple of sizes, each a whole number >= 0 or "
                                f"one of {', '.join(map(repr, SIZES))}")
         object.__setattr__(self, "shape", tuple(shape))
-        try:
-            numeric = jnp.issubdtype(jnp.dtype(self.dtype), jnp.number) or jnp.dtype(self.dtype) == jnp.bool_
+        try:  # None is no dtype here, though numpy reads it as float64
+            numeric = self.dtype is not None and (jnp.issubdtype(jnp.dtype(self.dtype), jnp.number)
+                                                  or jnp.dtype(self.dtype) == jnp.bool_)
         except (TypeError, ValueError):
             numeric = False
         if not numeric:
@@ -98,8 +99,9 @@ class Input:
     def abstract(self, batch: int, length: int) -> jax.ShapeDtypeStruct:
         """This field for a batch of `batch` sequences of `length` tokens."""
         sizes = {"batch": batch, "length": length}
+        # the dtype jax gives it (float64 is float32 without jax_enable_x64), not one jax warns about
         return jax.ShapeDtypeStruct(tuple(sizes[d] if isinstance(d, str) else int(d) for d in self.shape),
-                                    jnp.dtype(self.dtype))
+                                    jax.dtypes.canonicalize_dtype(self.dtype))
 
     def check(self, name: str) -> None:
         """BadInput (one line) when the shape names an unknown size or the axes do not fit it."""

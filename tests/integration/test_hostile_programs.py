@@ -134,6 +134,17 @@ def train_step_none(): return sd.TrainProgram(_init, None)
 def train_batch_list(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch=[sd.Input()])
 def train_batch_value(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={"inputs": 5})
 def train_batch_empty(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={})
+def dtype_none(): return sd.ModelProgram(Tiny(), inputs={"mask": sd.Input(dtype=None)})
+def _placed_on(mesh, shape=(4, 4)):
+    from jax.sharding import NamedSharding, PartitionSpec
+    sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    return _program_of(lambda key: jax.jit(lambda: {"params": {"w": jnp.zeros(shape)}},
+                                           out_shardings={"params": {"w": sharding}})())
+def _program_of(init): return sd.TrainProgram(init, lambda state, batch: (state, {}))
+def init_own_mesh(): return _placed_on(jax.sharding.AbstractMesh((7,), ("own",)), (14, 4))
+def state_empty_key(): return _program_of(lambda key: {"": jnp.zeros(2), "params": {"w": jnp.zeros(2)}})
+def state_bare_array(): return _program_of(lambda key: jnp.zeros((4, 4)))
+def state_same_path(): return _program_of(lambda key: {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}})
 '''
 
 # Modules that fail while they are imported: file name -> bytes.
@@ -229,6 +240,14 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("TrainProgram-batch-list", factory("train_batch_list"), "TrainProgram(batch=(int32[batch,length])): give a non-empty mapping"),
     ("TrainProgram-batch-value", factory("train_batch_value"), "TrainProgram(batch=...): field 'inputs' is 5"),
     ("TrainProgram-batch-empty", factory("train_batch_empty"), "TrainProgram(batch={}): give a non-empty mapping"),
+    ("Input-dtype-None", factory("dtype_none"), "Input(dtype=None): not a numeric dtype"),
+    # --- a state init places or names itself -----------------------------------------------------------
+    ("init-placed-on-its-own-mesh", factory("init_own_mesh"), "init placed 'params/w' on P('own',), but the case's "
+                                                               "mesh has no axis 'own' (its axes: data)"),
+    ("state-empty-key", factory("state_empty_key"), "init returned a state with a leaf at '', a path with an empty "
+                                                    "name"),
+    ("state-bare-array", factory("state_bare_array"), "init returned a state with a leaf at ''"),
+    ("state-two-leaves-one-path", factory("state_same_path"), "init returned two leaves at 'a/b'"),
     # --- what a step returns -------------------------------------------------------------------------
     ("step-str-leaf", factory("step_str_leaf"), "returned 'weights' at params/w, not an array"),
     ("step-other-shape", factory("step_other_shape"), "returned float32[4,8] at params/w, where the state it was given holds "
