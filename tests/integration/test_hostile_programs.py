@@ -355,6 +355,24 @@ def test_a_shadowed_partition_rule_is_warned_about_and_checked(user_repo, capsys
     assert "partition rule 'attention/wq/kernel'" in capsys.readouterr().out
 
 
+PYPROJECTS = [
+    ("not-utf-8", b'[tool.sharding-dump]\ngolden-dir = "\xff"\n', "pyproject.toml: not UTF-8 text (byte 35"),
+    ("tool-a-number", b"tool = 5\n", "pyproject.toml: field tool must be a table ([tool.sharding-dump]), not int"),
+    ("table-a-number", b"[tool]\nsharding-dump = 5\n", "field (top level): must be an object, not int"),
+    ("time-limit-text", b'[tool.sharding-dump]\ntime-limit = "soon"\n', "field time-limit: must be a number"),
+]
+
+
+@pytest.mark.parametrize("name, data, words", PYPROJECTS, ids=[p[0] for p in PYPROJECTS])
+def test_a_broken_pyproject_of_the_users_repository_is_one_line(name, data, words, user_repo, capsys):
+    (user_repo / "pyproject.toml").write_bytes(data)
+    before = listing(user_repo)
+    assert cli.main(factory("tiny")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sharding-dump: error: ") and words in err, err[-2000:]
+    assert listing(user_repo) == before
+
+
 # --- real processes: Ctrl-C, and the verify child --------------------------------------------------
 
 LOOPING = '''
