@@ -560,3 +560,14 @@ def test_the_projects_time_limit_is_a_setting_the_option_overrides(user_repo, ca
     assert cli.main(factory("loops")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "field time-limit" in err, err
+
+
+def test_a_case_file_that_cannot_be_read_is_its_one_line_under_pytest(mini_project):
+    """A case file above the size limit: one error line for the project, and no warning that -k/-m
+    deselected its golden tests (none was collected, and that line already says why)."""
+    project = mini_project({"cases.yml": "cases: [" + "[" * (300 << 10) + "\n", "rules.yml": RULES})
+    result = project.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert "sharding-dump: error: case matrix " in out and "more than the limit of 262144" in out, out
+    assert "no golden test ran" not in out and "Traceback" not in out, out
