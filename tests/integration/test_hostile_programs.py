@@ -144,6 +144,15 @@ def _program_of(init): return sd.TrainProgram(init, lambda state, batch: (state,
 def init_own_mesh(): return _placed_on(jax.sharding.AbstractMesh((7,), ("own",)), (14, 4))
 def state_empty_key(): return _program_of(lambda key: {"": jnp.zeros(2), "params": {"w": jnp.zeros(2)}})
 def state_bare_array(): return _program_of(lambda key: jnp.zeros((4, 4)))
+def _odd_names(axis):
+    from jax.sharding import NamedSharding, PartitionSpec
+    names = ("a|b`c", "line\\nbreak", "<script>x</script>")
+    def init(key):
+        shard = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec(*axis))
+        return jax.jit(lambda: {name: jnp.zeros((4, 4)) for name in names}, out_shardings={name: shard for name in names})()
+    return _program_of(init)
+def odd_names_old(): return _odd_names(("data", None))
+def odd_names_new(): return _odd_names((None, "data"))
 def state_same_path(): return _program_of(lambda key: {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}})
 '''
 
@@ -571,3 +580,19 @@ def test_a_case_file_that_cannot_be_read_is_its_one_line_under_pytest(mini_proje
     out = result.stdout.str()
     assert "sharding-dump: error: case matrix " in out and "more than the limit of 262144" in out, out
     assert "no golden test ran" not in out and "Traceback" not in out, out
+
+
+def test_tensor_names_of_any_text_keep_the_markdown_and_html_reports_whole(user_repo, capsys):
+    """A state's names are the user's: a backtick, a '|', a line break or markup in one must not end
+    its code span, split its table row, or reach the page as HTML."""
+    for side, function in (("old", "odd_names_old"), ("new", "odd_names_new")):
+        assert cli.main(["--model", f"X=hostile_user:{function}", "--rule", "rules.yml", *SIZES, "--golden-dir", side]) == 0
+    capsys.readouterr()
+    assert cli.main(["diff", "--format", "markdown", "old", "new"]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "->" not in line]
+    tensors = [row.split(" | ")[0].removeprefix("| ").rstrip() for row in rows[1:]]
+    assert tensors == ["`<script>x</script>`", "``a\\|b`c``", "`line\\nbreak`"], rows
+    assert all(row.count(" | ") == 4 and row.endswith(" |") for row in rows), rows
+    assert cli.main(["diff", "--format", "html", "old", "new"]) == 1
+    page = capsys.readouterr().out
+    assert "<script>x" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
