@@ -144,6 +144,11 @@ def _program_of(init): return sd.TrainProgram(init, lambda state, batch: (state,
 def init_own_mesh(): return _placed_on(jax.sharding.AbstractMesh((7,), ("own",)), (14, 4))
 def state_empty_key(): return _program_of(lambda key: {"": jnp.zeros(2), "params": {"w": jnp.zeros(2)}})
 def state_bare_array(): return _program_of(lambda key: jnp.zeros((4, 4)))
+class Masked(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, mask=None):
+        return Tiny()(tokens)
+def float64_input(): return sd.ModelProgram(Masked(), inputs={"mask": sd.Input(dtype="float64")})
 def _odd_names(axis):
     from jax.sharding import NamedSharding, PartitionSpec
     names = ("a|b`c", "line\\nbreak", "<script>x</script>")
@@ -596,3 +601,11 @@ def test_tensor_names_of_any_text_keep_the_markdown_and_html_reports_whole(user_
     assert cli.main(["diff", "--format", "html", "old", "new"]) == 1
     page = capsys.readouterr().out
     assert "<script>x" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+
+
+def test_a_64_bit_input_is_traced_as_jax_gives_it_without_a_raw_warning(user_repo, capsys):
+    """Input(dtype='float64') without jax_enable_x64: jax makes it float32; the dump says so in its
+    layout instead of letting jax's multi-line UserWarning through to stderr."""
+    assert cli.main(factory("float64_input") + ["--golden-dir", "golden"]) == 0
+    err = capsys.readouterr().err
+    assert all(line.startswith("sharding-dump: warning: ") for line in err.splitlines()), err
