@@ -603,9 +603,10 @@ def test_tensor_names_of_any_text_keep_the_markdown_and_html_reports_whole(user_
     assert "<script>x" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
 
 
-def test_a_64_bit_input_is_traced_as_jax_gives_it_without_a_raw_warning(user_repo, capsys):
+def test_a_64_bit_input_is_traced_as_jax_gives_it_without_a_raw_warning(user_repo, capsys, recwarn):
     """Input(dtype='float64') without jax_enable_x64: jax makes it float32; the dump says so in its
     layout instead of letting jax's multi-line UserWarning through to stderr."""
     assert cli.main(factory("float64_input") + ["--golden-dir", "golden"]) == 0
     err = capsys.readouterr().err
     assert all(line.startswith("sharding-dump: warning: ") for line in err.splitlines()), err
+    assert not [w for w in recwarn if "float64" in str(w.message)], [str(w.message) for w in recwarn]
