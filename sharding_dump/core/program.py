@@ -211,6 +211,8 @@ class ModelProgram:
 
     def __post_init__(self) -> None:
         """Every argument checked where it is given: one line naming it and what would be valid."""
+        if hf_module(self.model) is not None:  # a Hugging Face FlaxPreTrainedModel: its linen module
+            object.__setattr__(self, "model", hf_module(self.model))
         if not isinstance(self.model, (nn.Module, _nnx().Module)) and not callable(self.model):
             raise ProgramError(f"ModelProgram(model={describe(self.model)}): give a Flax linen or NNX module, or a "
                                "zero-argument function returning one")
@@ -385,6 +387,9 @@ class TrainProgram:
                                ("train_step", self.train_step, "train_step(state, batch) -> (state, metrics)")):
             if not callable(fn):
                 raise ProgramError(f"TrainProgram({name}={describe(fn)}): give a function {form}")
+            if isinstance(fn, (nn.Module, _nnx().Module)) or hf_module(fn) is not None:
+                raise ProgramError(f"TrainProgram({name}={describe(fn)}): a model, not a function {form}; a factory "
+                                   "returns the model itself, or a ModelProgram of it, for the harness's own step")
         if not isinstance(self.batch, Mapping) or not self.batch:
             raise ProgramError(f"TrainProgram(batch={describe(self.batch)}): give a non-empty mapping, field name -> "
                                "Input(shape, dtype, logical_axes), e.g. {'inputs': Input(), 'targets': Input()}")

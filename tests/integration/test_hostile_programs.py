@@ -149,6 +149,14 @@ class Masked(nn.Module):
     def __call__(self, tokens, mask=None):
         return Tiny()(tokens)
 def float64_input(): return sd.ModelProgram(Masked(), inputs={"mask": sd.Input(dtype="float64")})
+def train_init_model(): return sd.TrainProgram(Tiny(), lambda state, batch: (state, {}))
+def train_step_hf():
+    from examples.hf_llama import small_llama
+    return sd.TrainProgram(_init, small_llama())
+def hf_in_model_program():
+    from examples.hf_llama import small_llama
+    return sd.ModelProgram(small_llama(), positions="position_ids", kwargs={"deterministic": False},
+                           inputs={"attention_mask": lambda batch: jnp.ones_like(batch["inputs"])})
 def _odd_names(axis):
     from jax.sharding import NamedSharding, PartitionSpec
     names = ("a|b`c", "line\\nbreak", "<script>x</script>")
@@ -255,6 +263,9 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("TrainProgram-batch-value", factory("train_batch_value"), "TrainProgram(batch=...): field 'inputs' is 5"),
     ("TrainProgram-batch-empty", factory("train_batch_empty"), "TrainProgram(batch={}): give a non-empty mapping"),
     ("Input-dtype-None", factory("dtype_none"), "Input(dtype=None): not a numeric dtype"),
+    ("TrainProgram-init-a-module", factory("train_init_model"), "TrainProgram(init=Tiny()): a model, not a function "
+                                                                "init(key) -> state"),
+    ("TrainProgram-step-a-HF-model", factory("train_step_hf"), "TrainProgram(train_step=<transformers.models.llama."),
     # --- a state init places or names itself -----------------------------------------------------------
     ("init-placed-on-its-own-mesh", factory("init_own_mesh"), "init placed 'params/w' on P('own',), but the case's "
                                                                "mesh has no axis 'own' (its axes: data)"),
@@ -610,3 +621,16 @@ def test_a_64_bit_input_is_traced_as_jax_gives_it_without_a_raw_warning(user_rep
     err = capsys.readouterr().err
     assert all(line.startswith("sharding-dump: warning: ") for line in err.splitlines()), err
     assert not [w for w in recwarn if "float64" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_a_hugging_face_model_in_a_model_program_is_its_module(user_repo, capsys):
+    """ModelProgram(FlaxPreTrainedModel, ...) dumps its linen module, as a factory returning that
+    model does: the same layouts as examples.hf_llama:small_llama under the harness's HF call."""
+    (user_repo / "hf.yml").write_text((REPO / "examples/hf_llama_rules.yml").read_text())
+    args = ["--rule", "hf.yml", "--topology", "cpu-2", "ici_fsdp_parallelism=2", "per_device_batch_size=1",
+            "max_target_length=8", "--golden-dir", "golden"]
+    assert cli.main(["--model", "mine=hostile_user:hf_in_model_program", *args]) == 0
+    assert cli.main(["--model", "theirs=examples.hf_llama:small_llama", *args]) == 0
+    capsys.readouterr()
+    mine, theirs = (next((user_repo / "golden" / name).rglob("named_shardings.json")) for name in ("mine", "theirs"))
+    assert mine.read_text().replace('"mine"', '"X"') == theirs.read_text().replace('"theirs"', '"X"')
