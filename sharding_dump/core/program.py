@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import re
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
@@ -394,8 +395,9 @@ class TrainProgram:
             raise ProgramError(f"TrainProgram(batch={describe(self.batch)}): give a non-empty mapping, field name -> "
                                "Input(shape, dtype, logical_axes), e.g. {'inputs': Input(), 'targets': Input()}")
         for name, field in self.batch.items():
-            if not isinstance(name, str) or not name:
-                raise ProgramError(f"TrainProgram(batch=...): field name {shown(name)}: give a non-empty str")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ProgramError(f"TrainProgram(batch=...): field name {shown(name)}: give a non-empty str of "
+                                   "letters, digits, '_', '.' or '-' (it names the field in activation_shardings.json)")
             if not isinstance(field, Input):
                 raise ProgramError(f"TrainProgram(batch=...): field {name!r} is {describe(field)}; give an "
                                    "Input(shape, dtype, logical_axes)")

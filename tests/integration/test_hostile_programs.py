@@ -157,6 +157,7 @@ def hf_in_model_program():
     from examples.hf_llama import small_llama
     return sd.ModelProgram(small_llama(), positions="position_ids", kwargs={"deterministic": False},
                            inputs={"attention_mask": lambda batch: jnp.ones_like(batch["inputs"])})
+def train_batch_slash(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={"a/b": sd.Input()})
 def _odd_names(axis):
     from jax.sharding import NamedSharding, PartitionSpec
     names = ("a|b`c", "line\\nbreak", "<script>x</script>")
@@ -263,6 +264,8 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("TrainProgram-batch-value", factory("train_batch_value"), "TrainProgram(batch=...): field 'inputs' is 5"),
     ("TrainProgram-batch-empty", factory("train_batch_empty"), "TrainProgram(batch={}): give a non-empty mapping"),
     ("Input-dtype-None", factory("dtype_none"), "Input(dtype=None): not a numeric dtype"),
+    ("TrainProgram-batch-field-slash", factory("train_batch_slash"), "TrainProgram(batch=...): field name 'a/b': give a "
+                                                                     "non-empty str of letters, digits"),
     ("TrainProgram-init-a-module", factory("train_init_model"), "TrainProgram(init=Tiny()): a model, not a function "
                                                                 "init(key) -> state"),
     ("TrainProgram-step-a-HF-model", factory("train_step_hf"), "TrainProgram(train_step=<transformers.models.llama."),
