@@ -299,12 +299,18 @@ class _Collected:
                                      for i in ids if "::" in i)
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
-        if self.seen or hasattr(config, "workerinput"):
+        if self.seen or hasattr(config, "workerinput") or self._failed_to_collect(terminalreporter):
             return
         why = ("-k/-m deselected all of them" if self.in_paths else
                f"it is not among the paths given: add {self.anchor.name} to them, or run pytest without paths")
         terminalreporter.write_line(f"sharding-dump: warning: no golden test ran: {self.anchor} configures "
                                     f"sharding cases, but {why}", yellow=True, bold=True)
+
+
+    def _failed_to_collect(self, terminalreporter: Any) -> bool:
+        # its own error line (a case file that cannot be read) already says why no golden test ran
+        return any((self.rootpath / getattr(report, "nodeid", "").split("::", 1)[0]).resolve() == self.anchor
+                   for report in terminalreporter.stats.get("error", []))
 
 
 def _covered(anchor: Path, paths: Iterable[Path]) -> bool:

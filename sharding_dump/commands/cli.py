@@ -25,12 +25,14 @@ exiting or running past --time-limit is bad input too), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import signal
 import sys
 import warnings
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from sharding_dump.commands.options import Parser
 from sharding_dump.core.gc_policy import fewer_collections
@@ -57,6 +59,29 @@ def _force_jax_options() -> None:
 
         for name, value in JAX_OPTIONS.items():
             jax.config.update(name, value)
+
+# Hugging Face transformers logs advisories on stderr when a user's factory builds a Flax model (that
+# its Flax classes are deprecated, ...): a command's stderr is its warning and error lines, so the
+# library's own logger shows errors only while a command runs (its level put back after).
+QUIET_LOGGERS = {"TRANSFORMERS_VERBOSITY": "transformers"}
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """Each logger of QUIET_LOGGERS at ERROR: by the environment variable the library reads when it
+    configures its logger on first use, and on the logger itself when that already happened."""
+    saved = {name: (os.environ.get(name), logging.getLogger(logger).level) for name, logger in QUIET_LOGGERS.items()}
+    for name, logger in QUIET_LOGGERS.items():
+        os.environ.setdefault(name, "error")
+        logging.getLogger(logger).setLevel(max(logging.ERROR, logging.getLogger(logger).level))
+    try:
+        yield
+    finally:
+        for name, (value, level) in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            logging.getLogger(QUIET_LOGGERS[name]).setLevel(level)
+
 
 # Command -> (module, what it does): the module is imported only when its command runs, so `diff`
 # never loads jax. `dump` is also what runs when no command word is given.
@@ -195,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with fewer_collections():  # this process traces models from start to end
+        with fewer_collections(), _quiet_libraries():  # this process traces models from start to end
             status = run(argv)
         sys.stdout.flush()
         return status

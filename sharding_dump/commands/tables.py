@@ -66,8 +66,17 @@ def format_delta(old: int | None, new: int | None) -> str:
 
 
 def code(text: str) -> str:
-    """Inline code in markdown (spec lists read better in a fixed font)."""
-    return f"`{text}`"
+    """Inline code in markdown (spec lists read better in a fixed font). A name may hold anything: its
+    backticks get a longer fence (CommonMark) and a line break is written `\\n`, so neither ends the
+    span or the table row early.
+
+    >>> code("a`b"), code("`x"), code("a\\nb")
+    ('``a`b``', '`` `x ``', '`a\\\\nb`')
+    """
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]], fmt: str, right: Sequence[int] = ()) -> str:

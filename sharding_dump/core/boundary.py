@@ -278,10 +278,10 @@ def guard(what: str, detail: str = "", limit: float | None = None, hint: str = L
     outermost = not _thread.calls
     if outermost:
         _enter_outermost(user)
-    _thread.calls.append(call)
-    _arm(min(c.deadline for c in _thread.calls))
     suffix = f" ({detail})" if detail else ""
-    try:
+    try:  # the timer may fire as soon as it is set (a limit of a millisecond): inside the try
+        _thread.calls.append(call)
+        _arm(min(c.deadline for c in _thread.calls))
         yield
     except BadInput:
         raise
@@ -300,7 +300,8 @@ def guard(what: str, detail: str = "", limit: float | None = None, hint: str = L
     except BaseException as err:  # noqa: BLE001: anything the user's code raises is one line, not a traceback
         raise error(one_line(f"{what} failed with {first_line(err)}{suffix}")) from None
     finally:
-        _thread.calls.pop()
+        if _thread.calls and _thread.calls[-1] is call:
+            _thread.calls.pop()
         if _thread.calls:
             _arm(min(c.deadline for c in _thread.calls))
         else:

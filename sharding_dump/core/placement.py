@@ -34,6 +34,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sharding_dump.errors import BadInput, shown
+
 SOURCES = ("type", "box", "params_axes", "regex", "none")  # where a leaf's spec came from, by precedence
 AXES_COLLECTION = "params_axes"  # flax.linen.partitioning's collection of per-parameter axis names
 _JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
@@ -107,8 +109,30 @@ def placed_outputs(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) ->
     from sharding_dump.core.layout import path_text
 
     flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
+    _check_paths([path_text(key_path) for key_path, _ in flat])
     declared = {path_text(key_path): spec for (key_path, _), spec in zip(flat, specs) if spec is not None}
+    for path, spec in declared.items():
+        unknown = [axis for entry in spec for axis in (entry if isinstance(entry, tuple) else (entry,))
+                   if axis is not None and axis not in mesh.axis_names]
+        if unknown:
+            raise BadInput(f"init placed {shown(path)} on {PartitionSpec(*spec)}, but the case's mesh has no axis "
+                           f"{shown(unknown[0])} (its axes: {', '.join(mesh.axis_names)}): place the state on the "
+                           "mesh of jax.sharding.get_abstract_mesh() inside init, not on a mesh of its own")
     return placed(shapes, declared, mesh), declared
+
+
+def _check_paths(paths: list[str]) -> None:
+    """Each leaf of init's state is one golden path: a key that is empty, or that joins with '/' into
+    another leaf's path, would be written under a path no leaf or a second leaf has."""
+    seen: set[str] = set()
+    for path in paths:
+        if path == "" or "" in path.split("/"):
+            raise BadInput(f"init returned a state with a leaf at {shown(path)}, a path with an empty name; "
+                           "give every leaf a non-empty key (a mapping of names, e.g. {'params': ...})")
+        if path in seen:
+            raise BadInput(f"init returned two leaves at {shown(path)} (a key holding '/' repeats another "
+                           "leaf's path); give each leaf a path of its own")
+        seen.add(path)
 
 
 def placed(state: Any, specs: Mapping[str, PartitionSpec], mesh: Any) -> Any:

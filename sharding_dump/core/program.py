@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import re
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
@@ -77,8 +78,9 @@ class Input:
             raise ProgramError(f"Input(shape={shown(shape)}): give a tuple of sizes, each a whole number >= 0 or "
                                f"one of {', '.join(map(repr, SIZES))}")
         object.__setattr__(self, "shape", tuple(shape))
-        try:
-            numeric = jnp.issubdtype(jnp.dtype(self.dtype), jnp.number) or jnp.dtype(self.dtype) == jnp.bool_
+        try:  # None is no dtype here, though numpy reads it as float64
+            numeric = self.dtype is not None and (jnp.issubdtype(jnp.dtype(self.dtype), jnp.number)
+                                                  or jnp.dtype(self.dtype) == jnp.bool_)
         except (TypeError, ValueError):
             numeric = False
         if not numeric:
@@ -98,8 +100,9 @@ class Input:
     def abstract(self, batch: int, length: int) -> jax.ShapeDtypeStruct:
         """This field for a batch of `batch` sequences of `length` tokens."""
         sizes = {"batch": batch, "length": length}
+        # the dtype jax gives it (float64 is float32 without jax_enable_x64), not one jax warns about
         return jax.ShapeDtypeStruct(tuple(sizes[d] if isinstance(d, str) else int(d) for d in self.shape),
-                                    jnp.dtype(self.dtype))
+                                    jax.dtypes.canonicalize_dtype(self.dtype))
 
     def check(self, name: str) -> None:
         """BadInput (one line) when the shape names an unknown size or the axes do not fit it."""
@@ -209,6 +212,8 @@ class ModelProgram:
 
     def __post_init__(self) -> None:
         """Every argument checked where it is given: one line naming it and what would be valid."""
+        if hf_module(self.model) is not None:  # a Hugging Face FlaxPreTrainedModel: its linen module
+            object.__setattr__(self, "model", hf_module(self.model))
         if not isinstance(self.model, (nn.Module, _nnx().Module)) and not callable(self.model):
             raise ProgramError(f"ModelProgram(model={describe(self.model)}): give a Flax linen or NNX module, or a "
                                "zero-argument function returning one")
@@ -383,12 +388,16 @@ class TrainProgram:
                                ("train_step", self.train_step, "train_step(state, batch) -> (state, metrics)")):
             if not callable(fn):
                 raise ProgramError(f"TrainProgram({name}={describe(fn)}): give a function {form}")
+            if isinstance(fn, (nn.Module, _nnx().Module)) or hf_module(fn) is not None:
+                raise ProgramError(f"TrainProgram({name}={describe(fn)}): a model, not a function {form}; a factory "
+                                   "returns the model itself, or a ModelProgram of it, for the harness's own step")
         if not isinstance(self.batch, Mapping) or not self.batch:
             raise ProgramError(f"TrainProgram(batch={describe(self.batch)}): give a non-empty mapping, field name -> "
                                "Input(shape, dtype, logical_axes), e.g. {'inputs': Input(), 'targets': Input()}")
         for name, field in self.batch.items():
-            if not isinstance(name, str) or not name:
-                raise ProgramError(f"TrainProgram(batch=...): field name {shown(name)}: give a non-empty str")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ProgramError(f"TrainProgram(batch=...): field name {shown(name)}: give a non-empty str of "
+                                   "letters, digits, '_', '.' or '-' (it names the field in activation_shardings.json)")
             if not isinstance(field, Input):
                 raise ProgramError(f"TrainProgram(batch=...): field {name!r} is {describe(field)}; give an "
                                    "Input(shape, dtype, logical_axes)")

@@ -112,7 +112,12 @@ def find_pyproject(start: Path) -> Path | None:
     """The nearest pyproject.toml at or above `start` that holds a [tool.sharding-dump] table."""
     for folder in (start, *start.parents):
         path = folder / PYPROJECT
-        if path.is_file() and TABLE in _read_toml(path).get("tool", {}):
+        if not path.is_file():
+            continue
+        tool = _read_toml(path).get("tool", {})
+        if not isinstance(tool, dict):
+            raise BadInput(f"{path}: field tool must be a table ([tool.{TABLE}]), not {type(tool).__name__}")
+        if TABLE in tool:
             return path
     return None
 
@@ -123,6 +128,8 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(handle)
     except tomllib.TOMLDecodeError as err:
         raise BadInput(f"{path}: not valid TOML ({err})") from None
+    except UnicodeDecodeError as err:  # tomllib decodes the bytes it reads itself
+        raise BadInput(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); TOML files are UTF-8") from None
     except OSError as err:
         raise BadInput(f"{path}: cannot be read ({type(err).__name__})") from None
 

@@ -62,6 +62,16 @@ def test_a_call_past_its_time_limit_is_one_line_naming_the_limit(body):
             body()
 
 
+def test_a_limit_that_runs_out_while_the_call_is_being_set_up_is_the_same_one_line():
+    """--time-limit 0.000001: the timer fires while the harness arms it (starting the watchdog), before
+    the user's code is reached; that too is the call's one line, and no call is left on the stack."""
+    for _ in range(50):
+        with time_limit(1e-6), pytest.raises(UserCodeError, match="^the factory f did not finish within"):
+            with guard("the factory f"):
+                loop()
+        assert not boundary._thread.calls
+
+
 def test_a_call_that_silences_the_timer_is_ended_by_the_watchdog():
     """The user's code ignores SIGALRM and cancels the timer, then loops: the watchdog a second later."""
     with time_limit(0.3), pytest.raises(UserCodeError, match="^the factory f did not finish within the time limit"):

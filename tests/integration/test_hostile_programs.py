@@ -134,6 +134,40 @@ def train_step_none(): return sd.TrainProgram(_init, None)
 def train_batch_list(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch=[sd.Input()])
 def train_batch_value(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={"inputs": 5})
 def train_batch_empty(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={})
+def dtype_none(): return sd.ModelProgram(Tiny(), inputs={"mask": sd.Input(dtype=None)})
+def _placed_on(mesh, shape=(4, 4)):
+    from jax.sharding import NamedSharding, PartitionSpec
+    sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    return _program_of(lambda key: jax.jit(lambda: {"params": {"w": jnp.zeros(shape)}},
+                                           out_shardings={"params": {"w": sharding}})())
+def _program_of(init): return sd.TrainProgram(init, lambda state, batch: (state, {}))
+def init_own_mesh(): return _placed_on(jax.sharding.AbstractMesh((7,), ("own",)), (14, 4))
+def state_empty_key(): return _program_of(lambda key: {"": jnp.zeros(2), "params": {"w": jnp.zeros(2)}})
+def state_bare_array(): return _program_of(lambda key: jnp.zeros((4, 4)))
+class Masked(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, mask=None):
+        return Tiny()(tokens)
+def float64_input(): return sd.ModelProgram(Masked(), inputs={"mask": sd.Input(dtype="float64")})
+def train_init_model(): return sd.TrainProgram(Tiny(), lambda state, batch: (state, {}))
+def train_step_hf():
+    from examples.hf_llama import small_llama
+    return sd.TrainProgram(_init, small_llama())
+def hf_in_model_program():
+    from examples.hf_llama import small_llama
+    return sd.ModelProgram(small_llama(), positions="position_ids", kwargs={"deterministic": False},
+                           inputs={"attention_mask": lambda batch: jnp.ones_like(batch["inputs"])})
+def train_batch_slash(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={"a/b": sd.Input()})
+def _odd_names(axis):
+    from jax.sharding import NamedSharding, PartitionSpec
+    names = ("a|b`c", "line\\nbreak", "<script>x</script>")
+    def init(key):
+        shard = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec(*axis))
+        return jax.jit(lambda: {name: jnp.zeros((4, 4)) for name in names}, out_shardings={name: shard for name in names})()
+    return _program_of(init)
+def odd_names_old(): return _odd_names(("data", None))
+def odd_names_new(): return _odd_names((None, "data"))
+def state_same_path(): return _program_of(lambda key: {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}})
 '''
 
 # Modules that fail while they are imported: file name -> bytes.
@@ -229,6 +263,19 @@ PROBES: list[tuple[str, list[str], str]] = [
     ("TrainProgram-batch-list", factory("train_batch_list"), "TrainProgram(batch=(int32[batch,length])): give a non-empty mapping"),
     ("TrainProgram-batch-value", factory("train_batch_value"), "TrainProgram(batch=...): field 'inputs' is 5"),
     ("TrainProgram-batch-empty", factory("train_batch_empty"), "TrainProgram(batch={}): give a non-empty mapping"),
+    ("Input-dtype-None", factory("dtype_none"), "Input(dtype=None): not a numeric dtype"),
+    ("TrainProgram-batch-field-slash", factory("train_batch_slash"), "TrainProgram(batch=...): field name 'a/b': give a "
+                                                                     "non-empty str of letters, digits"),
+    ("TrainProgram-init-a-module", factory("train_init_model"), "TrainProgram(init=Tiny()): a model, not a function "
+                                                                "init(key) -> state"),
+    ("TrainProgram-step-a-HF-model", factory("train_step_hf"), "TrainProgram(train_step=<transformers.models.llama."),
+    # --- a state init places or names itself -----------------------------------------------------------
+    ("init-placed-on-its-own-mesh", factory("init_own_mesh"), "init placed 'params/w' on P('own',), but the case's "
+                                                               "mesh has no axis 'own' (its axes: data)"),
+    ("state-empty-key", factory("state_empty_key"), "init returned a state with a leaf at '', a path with an empty "
+                                                    "name"),
+    ("state-bare-array", factory("state_bare_array"), "init returned a state with a leaf at ''"),
+    ("state-two-leaves-one-path", factory("state_same_path"), "init returned two leaves at 'a/b'"),
     # --- what a step returns -------------------------------------------------------------------------
     ("step-str-leaf", factory("step_str_leaf"), "returned 'weights' at params/w, not an array"),
     ("step-other-shape", factory("step_other_shape"), "returned float32[4,8] at params/w, where the state it was given holds "
@@ -334,6 +381,24 @@ def test_a_shadowed_partition_rule_is_warned_about_and_checked(user_repo, capsys
            "parameter path it matches is matched first by partition rule shadow.yml:4 ('kernel')" in err, err
     assert cli.main(["check", *args]) == 1
     assert "partition rule 'attention/wq/kernel'" in capsys.readouterr().out
+
+
+PYPROJECTS = [
+    ("not-utf-8", b'[tool.sharding-dump]\ngolden-dir = "\xff"\n', "pyproject.toml: not UTF-8 text (byte 35"),
+    ("tool-a-number", b"tool = 5\n", "pyproject.toml: field tool must be a table ([tool.sharding-dump]), not int"),
+    ("table-a-number", b"[tool]\nsharding-dump = 5\n", "field (top level): must be an object, not int"),
+    ("time-limit-text", b'[tool.sharding-dump]\ntime-limit = "soon"\n', "field time-limit: must be a number"),
+]
+
+
+@pytest.mark.parametrize("name, data, words", PYPROJECTS, ids=[p[0] for p in PYPROJECTS])
+def test_a_broken_pyproject_of_the_users_repository_is_one_line(name, data, words, user_repo, capsys):
+    (user_repo / "pyproject.toml").write_bytes(data)
+    before = listing(user_repo)
+    assert cli.main(factory("tiny")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sharding-dump: error: ") and words in err, err[-2000:]
+    assert listing(user_repo) == before
 
 
 # --- real processes: Ctrl-C, and the verify child --------------------------------------------------
@@ -523,3 +588,52 @@ def test_the_projects_time_limit_is_a_setting_the_option_overrides(user_repo, ca
     assert cli.main(factory("loops")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "field time-limit" in err, err
+
+
+def test_a_case_file_that_cannot_be_read_is_its_one_line_under_pytest(mini_project):
+    """A case file above the size limit: one error line for the project, and no warning that -k/-m
+    deselected its golden tests (none was collected, and that line already says why)."""
+    project = mini_project({"cases.yml": "cases: [" + "[" * (300 << 10) + "\n", "rules.yml": RULES})
+    result = project.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert "sharding-dump: error: case matrix " in out and "more than the limit of 262144" in out, out
+    assert "no golden test ran" not in out and "Traceback" not in out, out
+
+
+def test_tensor_names_of_any_text_keep_the_markdown_and_html_reports_whole(user_repo, capsys):
+    """A state's names are the user's: a backtick, a '|', a line break or markup in one must not end
+    its code span, split its table row, or reach the page as HTML."""
+    for side, function in (("old", "odd_names_old"), ("new", "odd_names_new")):
+        assert cli.main(["--model", f"X=hostile_user:{function}", "--rule", "rules.yml", *SIZES, "--golden-dir", side]) == 0
+    capsys.readouterr()
+    assert cli.main(["diff", "--format", "markdown", "old", "new"]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "->" not in line]
+    tensors = [row.split(" | ")[0].removeprefix("| ").rstrip() for row in rows[1:]]
+    assert tensors == ["`<script>x</script>`", "``a\\|b`c``", "`line\\nbreak`"], rows
+    assert all(row.count(" | ") == 4 and row.endswith(" |") for row in rows), rows
+    assert cli.main(["diff", "--format", "html", "old", "new"]) == 1
+    page = capsys.readouterr().out
+    assert "<script>x" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+
+
+def test_a_64_bit_input_is_traced_as_jax_gives_it_without_a_raw_warning(user_repo, capsys, recwarn):
+    """Input(dtype='float64') without jax_enable_x64: jax makes it float32; the dump says so in its
+    layout instead of letting jax's multi-line UserWarning through to stderr."""
+    assert cli.main(factory("float64_input") + ["--golden-dir", "golden"]) == 0
+    err = capsys.readouterr().err
+    assert all(line.startswith("sharding-dump: warning: ") for line in err.splitlines()), err
+    assert not [w for w in recwarn if "float64" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_a_hugging_face_model_in_a_model_program_is_its_module(user_repo, capsys):
+    """ModelProgram(FlaxPreTrainedModel, ...) dumps its linen module, as a factory returning that
+    model does: the same layouts as examples.hf_llama:small_llama under the harness's HF call."""
+    (user_repo / "hf.yml").write_text((REPO / "examples/hf_llama_rules.yml").read_text())
+    args = ["--rule", "hf.yml", "--topology", "cpu-2", "ici_fsdp_parallelism=2", "per_device_batch_size=1",
+            "max_target_length=8", "--golden-dir", "golden"]
+    assert cli.main(["--model", "mine=hostile_user:hf_in_model_program", *args]) == 0
+    assert cli.main(["--model", "theirs=examples.hf_llama:small_llama", *args]) == 0
+    capsys.readouterr()
+    mine, theirs = (next((user_repo / "golden" / name).rglob("named_shardings.json")) for name in ("mine", "theirs"))
+    assert mine.read_text().replace('"mine"', '"X"') == theirs.read_text().replace('"theirs"', '"X"')
