@@ -24,6 +24,7 @@ import ast
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -115,11 +116,15 @@ def models_page() -> str:
 
 
 def _reference_case(folder: Path) -> str:
-    """`tpu7x-16 default ici_expert_parallelism=4`: a reference dump folder as the case it is."""
-    topology, _, rule = folder.parts[-3], folder.parts[-2], folder.parts[-1]
-    words = rule.removeprefix("rule_").split("_ici_", 1)
-    overrides = [f"ici_{w}" for w in words[1].split("_ici_")] if len(words) > 1 else []
-    return " ".join([topology, words[0], *overrides])
+    """`tpu7x-16 default ici_expert_parallelism=4`: a reference dump folder as the case it is. The
+    folder name joins overrides with `_`, which values hold too (`opt_type=adam_pax`), so the keys
+    come from our golden of the same case, in the folder's order."""
+    topology, rule = folder.parts[-3], folder.parts[-1].removeprefix("rule_")
+    golden = REPO / "golden" / folder.relative_to(folder.parents[3]) / "named_shardings.json"
+    case = json.loads(golden.read_text(encoding="utf-8"))["case"] if golden.is_file() else {"rule": rule}
+    starts = sorted(rule.index(f"_{key}=") for key in case.get("overrides", {}))  # each ends where the next begins
+    overrides = [rule[start + 1:end] for start, end in zip(starts, [*starts[1:], len(rule)])]
+    return " ".join([topology, case["rule"], *overrides])
 
 
 def maxtext_configs_page() -> str:

@@ -56,6 +56,17 @@ def test_reference_pages_list_every_card_rule_and_topology():
     assert all(f"| `{name}` |" in text["topologies.md"] for name in topology_names())
 
 
+def test_maxtext_reference_case_reads_values_with_underscores():
+    """A reference folder's overrides are told apart by our golden's keys, not by `_ici_`: gpt3-6b's
+    `opt_type=adam_pax` is one override, `max_target_length=1024` another."""
+    case = generator()["_reference_case"]
+    blocks = REPO / "tests/data/maxtext/blocks"
+    assert case(blocks / "gpt3-6b/tpu7x-8/slice_1/rule_default_opt_type=adam_pax_max_target_length=1024") == (
+        "tpu7x-8 default opt_type=adam_pax max_target_length=1024")
+    assert case(blocks / "llama4-17b-16e/tpu7x-16/slice_1/rule_default_ici_expert_parallelism=4") == (
+        "tpu7x-16 default ici_expert_parallelism=4")
+
+
 def test_layout_page_follows_the_import_rule(monkeypatch):
     """An edge added to test_layers.py's rule changes the generated Layout page."""
     layers = generator()["_test_layers"]()
