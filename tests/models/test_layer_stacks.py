@@ -1,4 +1,5 @@
-"""models/layers.py: how a stack names the layer dimension of a weight declared with no logical axes."""
+"""models/layers.py (named test_layer_stacks: tests/integration/test_layers.py holds the layering rule): how a
+stack names the layer dimension of a weight declared with no logical axes."""
 
 from __future__ import annotations
 
