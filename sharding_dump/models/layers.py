@@ -7,7 +7,7 @@ live in `weight_dtype`; compute runs in `dtype` (bfloat16 by default).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -20,19 +20,38 @@ from sharding_dump.models.config import ModelConfig
 Axes = tuple[str | None, ...]
 # (batch, length, embed): the logical axes of the residual stream between blocks, in every family.
 BLE = ("activation_batch", "activation_norm_length", "activation_embed")
+# A transform's metadata parameter: the stack is built as flax NNX's transforms (`nnx.vmap`) build one.
+NNX_STACK = "nnx_stack"
+
+
+class DeclaredUnnamed(nn.LogicallyPartitioned):
+    """The box of a weight declared with no logical axes, `()`, as MaxText's NNX modules declare some
+    norm scales (RMSNorm's default `kernel_axes`). A linen stack (`nn.scan`, flax pads the names with
+    None) names its layer dimension; a stack built as flax NNX builds one (`nnx.spmd.add_axis` skips an
+    empty sharding) adds no name, so in MaxText's pipeline such a weight keeps no logical axes at all."""
+
+    def add_axis(self, index: int, params: dict[Any, Any]) -> nn.LogicallyPartitioned:
+        return self if params.get(NNX_STACK) and not self.names else super().add_axis(index, params)
+
+    def remove_axis(self, index: int, params: dict[Any, Any]) -> nn.LogicallyPartitioned:
+        return self if params.get(NNX_STACK) and not self.names else super().remove_axis(index, params)
 
 
 def weight_param(module: nn.Module, name: str, shape: Sequence[int], axes: Axes, cfg: ModelConfig,
                  init: nn.initializers.Initializer | None = None) -> jax.Array:
-    """A parameter annotated with its logical axes, in the run's weight dtype."""
-    if len(shape) != len(axes):
+    """A parameter annotated with its logical axes, in the run's weight dtype; `axes=()` declares it
+    with none, as MaxText's `()` (:class:`DeclaredUnnamed`)."""
+    if axes and len(shape) != len(axes):
         raise ValueError(f"{name}: {len(axes)} logical axes for shape {tuple(shape)}")
     if module.has_variable("params", name):
         # Applying: read the weight as it is. flax's `param` would first trace the initializer again
         # (jax.eval_shape) only to compare shapes: one trace per weight per step, ~15% of a case's CPU.
         return meta.unbox(module.get_variable("params", name))
     init = init or nn.initializers.lecun_normal()
-    return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), jnp.dtype(cfg.weight_dtype))
+    boxed = nn.with_logical_partitioning(init, axes)
+    if not axes:
+        boxed = lambda *args: DeclaredUnnamed(init(*args), ())  # noqa: E731
+    return module.param(name, boxed, tuple(shape), jnp.dtype(cfg.weight_dtype))
 
 
 class Dense(nn.Module):
@@ -97,11 +116,11 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return getattr(jax.nn, name)(x)
 
 
-def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn.Module]:
+def scan_layers(layer: type[nn.Module], length: int, layer_axis: str, nnx_stack: bool = False) -> type[nn.Module]:
     """`length` copies of a rematerialised `layer`, stacked by nn.scan with the layer dimension at
-    position 1 of every weight and named `layer_axis` in its logical spec. The layer broadcasts nothing
-    out, so flax's extra trace that proves broadcast outputs constant is skipped (one trace of the
-    layer per scan, not two)."""
+    position 1 of every weight and named `layer_axis` in its logical spec (`nnx_stack`: named as flax
+    NNX names it, see :class:`DeclaredUnnamed`). The layer broadcasts nothing out, so flax's extra
+    trace that proves broadcast outputs constant is skipped (one trace of the layer per scan, not two)."""
     remat = nn.remat(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     return nn.scan(
         remat,
@@ -109,7 +128,7 @@ def scan_layers(layer: type[nn.Module], length: int, layer_axis: str) -> type[nn
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
         length=length,
-        metadata_params={nn.PARTITION_NAME: layer_axis},
+        metadata_params={nn.PARTITION_NAME: layer_axis, NNX_STACK: nnx_stack},
         check_constancy_invariants=False,
     )
 

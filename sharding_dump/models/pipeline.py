@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec
 from sharding_dump.core.capture import constrain, module_prefix
 from sharding_dump.core.specs import entry_axes
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.layers import scan_layers
+from sharding_dump.models.layers import NNX_STACK, scan_layers
 
 STAGE_AXIS = "stage"  # the mesh axis
 STAGE_LOGICAL = "layers"  # the logical name of a weight's stage dimension
@@ -138,7 +138,7 @@ class ScannedLayers(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        scanned = scan_layers(self.layer, self.count, LAYERS_PER_STAGE_LOGICAL)
+        scanned = scan_layers(self.layer, self.count, LAYERS_PER_STAGE_LOGICAL, nnx_stack=True)
         return scanned(self.cfg, name="scanned_layers")(x, positions)
 
 
@@ -157,12 +157,13 @@ def _stage_module(layer: type[nn.Module], pp: PipelineConfig) -> type[nn.Module]
 
 
 def _stacked_stages(layer: type[nn.Module], pp: PipelineConfig) -> type[nn.Module]:
-    """The weight holder: a stage's layers, vmapped over stages (and repeats)."""
+    """The weight holder: a stage's layers, vmapped over stages (and repeats). MaxText stacks them
+    with `nnx.vmap`, which names no dimension of a weight declared with no logical axes."""
     stacked = nn.vmap(_stage_module(layer, pp), variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0, 0), metadata_params={nn.PARTITION_NAME: STAGE_LOGICAL})
+                      in_axes=(0, 0), metadata_params={nn.PARTITION_NAME: STAGE_LOGICAL, NNX_STACK: True})
     if pp.num_repeats > 1:
         stacked = nn.vmap(stacked, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0),
-                          metadata_params={nn.PARTITION_NAME: REPEAT_LOGICAL})
+                          metadata_params={nn.PARTITION_NAME: REPEAT_LOGICAL, NNX_STACK: True})
     return stacked
 
 

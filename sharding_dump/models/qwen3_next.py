@@ -2,7 +2,9 @@
 first three mix tokens with a Gated DeltaNet (linear attention with a gated delta-rule state), the
 fourth with full attention whose query projection also yields a sigmoid output gate. Every layer's
 feed-forward is routed experts plus one shared expert scaled by a learned sigmoid gate. Norms are
-zero-centred RMS norms without logical axes, as MaxText's Qwen3NextRMSNorm.
+zero-centred RMS norms declared without logical axes, as MaxText's Qwen3NextRMSNorm: scanned, their
+layer dimension is named (None, layers); pipelined, they have no logical axes at all, as in MaxText,
+whose pipeline stacks its stages with `nnx.vmap` (models/layers.DeclaredUnnamed).
 
 Parameter tree (i = 0..3, layer axis `layers` at position 1; a parameter without logical axes is
 replicated)::
@@ -37,7 +39,7 @@ from sharding_dump.models.layers import BLE, Dense, RMSNorm
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
 
-UNNAMED = (None,)  # the logical axes of Qwen3-Next's norm scales
+UNNAMED = ()  # the logical axes of Qwen3-Next's norm scales: none, as MaxText's RMSNorm declares them
 OUTPUT = ("activation_batch", "activation_length", "activation_embed")  # the full attention's output, as MaxText names it
 
 

@@ -91,7 +91,8 @@ PIPELINE_REFERENCE = REPO / "tests" / "data" / "maxtext-scan-block-pipelines"
 
 # MaxText's own dumps of pipelines whose unit is a scanned block, with the one setting each case adds.
 PIPELINES = {"gemma4-31b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2": "ici_pipeline_parallelism=2",
-             "olmo3-32b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=4": "ici_pipeline_parallelism=4"}
+             "olmo3-32b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=4": "ici_pipeline_parallelism=4",
+             "qwen3.5-35b-a3b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2": "ici_pipeline_parallelism=2"}
 
 
 def test_every_pipeline_reference_is_compared():
@@ -101,9 +102,10 @@ def test_every_pipeline_reference_is_compared():
 
 @pytest.mark.parametrize("case", sweep_beyond_first(sorted(PIPELINES)))
 def test_pipeline_of_scan_blocks_matches_maxtexts_dump(case, tmp_path):
-    """gemma4-31b: 60 blocks of 6 layers in 2 stages x 30 repeats; olmo3-32b: 64 blocks of 4 in 4 x 16.
-    MaxText's dump of the case and ours name the same leaves, with the same shape, partition spec and
-    logical axes."""
+    """gemma4-31b: 60 blocks of 6 layers in 2 stages x 30 repeats; olmo3-32b: 64 blocks of 4 in 4 x 16;
+    qwen3.5-35b-a3b: 40 blocks of 4 in 2 x 20, whose norm scales (declared with no logical axes) have
+    none and are replicated. MaxText's dump of the case and ours name the same leaves, with the same
+    shape, partition spec and logical axes."""
     model, topology = case.split("/")[:2]
     assert main(["--model", model, "--topology", topology, "--rule", "default", PIPELINES[case],
                  "--golden-dir", str(tmp_path)]) == 0
