@@ -329,11 +329,13 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def ranges() -> dict[str, str]:
-    """{package: specifier} of pyproject.toml's dependencies, and its requires-python."""
+    """{package: specifier} of pyproject.toml's dependencies."""
     import tomllib
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    found = {re.split(r"[<>=!]", d, 1)[0]: d[len(re.split(r"[<>=!]", d, 1)[0]):] for d in project["dependencies"]}
-    return {**found, "python": project["requires-python"]}
+    found = {}
+    for requirement in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name = re.split(r"[<>=!]", requirement, maxsplit=1)[0]
+        found[name] = requirement[len(name):]
+    return found
 
 
 def pinned_table() -> str:
@@ -378,9 +380,10 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         act_report = check_or_update(act, "golden", update=False).report
         blocks["activation-report"] = _cut(act_report[act_report.index("activation_shardings.json"):], 1)
     args, tensor = SHOW_TENSOR
-    parsed = options.Parser()
-    show.add_arguments(parsed)
-    (shown,) = options.cases_of(parsed.parse_args(args), "shows", options.project_of(parsed.parse_args(args)))
+    parser = options.Parser()
+    show.add_arguments(parser)
+    parsed = parser.parse_args(args)
+    (shown,) = options.cases_of(parsed, "shows", options.project_of(parsed))
     blocks["show-tensor"] = show.render_tensor_grid(shown, tensor).rstrip("\n")
     blocks["show-tensor-command"] = "sharding-dump show " + " ".join(args) + f" --tensor {tensor}"
     return blocks, counts
