@@ -56,7 +56,8 @@ def render_tensor_grid(case: Case, path: str) -> str:
     setup, layouts = case_layouts(case)
     by_path = {t.path: t for t in layouts}
     if path not in by_path:
-        near = sorted(p for p in by_path if path.rsplit("/", 1)[-1] in p)[:5] or sorted(by_path)[:5]
+        ordered = sorted(by_path, key=lambda p: (GROUP_ORDER.get(p.split("/", 1)[0], 2), p))
+        near = [p for p in ordered if path.rsplit("/", 1)[-1] in p][:5] or ordered[:5]
         raise BadInput(f"--tensor {shown(path)}: no such leaf in {case.label} (leaves like {', '.join(near)}; "
                        f"`sharding-dump show` without --tensor lists them all)")
     t = by_path[path]

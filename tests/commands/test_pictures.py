@@ -31,6 +31,7 @@ def test_show_tensor_unknown_path_is_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert "--tensor 'params/nope': no such leaf in llama2-7b/tpu7x-2048/slice_1/" in captured.err
+    assert "(leaves like params/decoder/" in captured.err  # the parameters first
 
 
 def test_replicated_tensor_has_no_grid():
