@@ -6,8 +6,8 @@ table, count or output block on it is typed by hand:
 - the Layout page, from the import rule `tests/integration/test_layers.py` holds and each module's docstring;
 - the front page, `docs/index.md`, from `README.md` (links into the site made relative to it);
 - every output block of a hand-written page (between `<!-- output: NAME -->` and `<!-- /output -->`),
-  count (between `<!-- count: NAME -->` and `<!-- /count -->`) and table (`<!-- table: NAME -->`: the
-  pinned versions, from the constraints files), by running the real code on
+  count (between `<!-- count: NAME -->` and `<!-- /count -->`) and raw markdown or HTML (`<!-- raw: NAME -->`:
+  the pinned versions from the constraints files, the HTML report's chart), by running the real code on
   this checkout: a rule file with one line changed, its golden report, `diff --format markdown` with
   its memory chart, `check`, `show --tensor`.
 
@@ -40,7 +40,7 @@ MAXTEXT_BLOCKS = REPO / "tests/data/maxtext/blocks"
 MAXTEXT_GOLDENS = REPO / "tests/data/maxtext/goldens"
 BLOCK = re.compile(r"(<!-- output: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /output -->)", re.S)
 COUNT = re.compile(r"(<!-- count: (?P<name>[\w-]+) -->)(?P<body>.*?)(<!-- /count -->)")
-TABLE = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+RAW = re.compile(r"(<!-- raw: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /raw -->)", re.S)
 # The tested stacks (constraints file, its Python, what it is), for the Pinned versions table.
 STACKS = [("constraints.txt", "3.11", "the set the goldens are made with"),
           ("constraints-oldest.txt", "3.11", "the lower ends of the ranges"),
@@ -334,11 +334,13 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def ranges() -> dict[str, str]:
-    """{package: specifier} of pyproject.toml's dependencies, and its requires-python."""
+    """{package: specifier} of pyproject.toml's dependencies."""
     import tomllib
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    found = {re.split(r"[<>=!]", d, 1)[0]: d[len(re.split(r"[<>=!]", d, 1)[0]):] for d in project["dependencies"]}
-    return {**found, "python": project["requires-python"]}
+    found = {}
+    for requirement in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name = re.split(r"[<>=!]", requirement, maxsplit=1)[0]
+        found[name] = requirement[len(name):]
+    return found
 
 
 def pinned_table() -> str:
@@ -375,6 +377,7 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         blocks["embed-diff"] = _cut_markdown(markdown, 1)
         changed = next(r for r in reports if r.status != "identical")
         blocks["embed-chart"] = pictures.memory_chart(changed.memory).removeprefix("```mermaid\n").removesuffix("\n```")
+        blocks["embed-svg"] = pictures.memory_svg(changed.memory)
         counts["diff-title"] = markdown.splitlines()[0].removeprefix("### ")
         findings = check.lint_case(case)
         blocks["embed-check"] = _cut_findings(check.render_findings(case, findings))
@@ -383,9 +386,10 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         act_report = check_or_update(act, "golden", update=False).report
         blocks["activation-report"] = _cut(act_report[act_report.index("activation_shardings.json"):], 1)
     args, tensor = SHOW_TENSOR
-    parsed = options.Parser()
-    show.add_arguments(parsed)
-    (shown,) = options.cases_of(parsed.parse_args(args), "shows", options.project_of(parsed.parse_args(args)))
+    parser = options.Parser()
+    show.add_arguments(parser)
+    parsed = parser.parse_args(args)
+    (shown,) = options.cases_of(parsed, "shows", options.project_of(parsed))
     blocks["show-tensor"] = show.render_tensor_grid(shown, tensor).rstrip("\n")
     blocks["show-tensor-command"] = "sharding-dump show " + " ".join(args) + f" --tensor {tensor}"
     return blocks, counts
@@ -431,8 +435,10 @@ def _cut_findings(text: str) -> str:
     return "\n".join(out)
 
 
-def fill(text: str, blocks: dict[str, str], counts: dict[str, str], where: str) -> str:
-    """`text` with every output block and count replaced by what the code gives now."""
+def fill(text: str, blocks: dict[str, str], counts: dict[str, str], where: str,
+         raws: dict[str, str] | None = None) -> str:
+    """`text` with every output block, count and raw block replaced by what the code gives now."""
+    raws = raws or {}
     def block(match: re.Match) -> str:
         name = match["name"]
         if name not in blocks:
@@ -447,23 +453,25 @@ def fill(text: str, blocks: dict[str, str], counts: dict[str, str], where: str) 
         return f"{match[1]}{counts[match['name']]}{match[4]}"
 
     def raw(match: re.Match) -> str:
-        if match["name"] != "pinned-versions":
-            raise SystemExit(f"{where}: no table named {match['name']!r}")
-        return f"{match[1]}{pinned_table()}\n{match[4]}"
+        if match["name"] not in raws:
+            raise SystemExit(f"{where}: no raw block named {match['name']!r} (tools/docs.py knows {', '.join(raws)})")
+        return f"{match[1]}{raws[match['name']]}\n{match[4]}"
 
-    return TABLE.sub(raw, COUNT.sub(count, BLOCK.sub(block, text)))
+    return RAW.sub(raw, COUNT.sub(count, BLOCK.sub(block, text)))
 
 
 def pages_with_outputs() -> list[Path]:
     """Hand-written pages (and the README) holding an output block or a count."""
     candidates = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
-    return [p for p in candidates if any(pattern.search(p.read_text()) for pattern in (BLOCK, COUNT, TABLE))]
+    return [p for p in candidates if any(pattern.search(p.read_text()) for pattern in (BLOCK, COUNT, RAW))]
 
 
 def output_pages() -> dict[Path, str]:
     """Every hand-written page holding output blocks or counts, filled by running the code now."""
     blocks, counts = outputs()
-    return {path: fill(path.read_text(), blocks, counts, str(path.relative_to(REPO))) for path in pages_with_outputs()}
+    raws = {"pinned-versions": pinned_table(), "embed-svg": blocks.pop("embed-svg")}
+    return {path: fill(path.read_text(), blocks, counts, str(path.relative_to(REPO)), raws)
+            for path in pages_with_outputs()}
 
 
 def expected() -> dict[Path, str]:

@@ -4,7 +4,8 @@ Every leaf of the training state (parameters first) with its shape, logical axes
 what one device holds of it (for a user's model, also where its spec came from: `type`, `box`,
 `params_axes`, `regex` or `none`), then the per-device totals against the device's HBM. Specs leave out
 mesh axes of size 1 (they split nothing) unless asked for the spec exactly as the golden holds it.
-`--tensor PATH` draws one leaf's split over the mesh instead (:func:`pictures.split_grid`).
+`--tensor PATH` draws one leaf's (or one activation's) split over the mesh instead
+(:func:`pictures.split_grid`).
 
 >>> specs.spec_to_json(["fsdp", ["tensor", "expert"], None], 3, {"fsdp": 8, "tensor": 1, "expert": 1})
 ['fsdp', None, None]
@@ -22,7 +23,7 @@ from sharding_dump.core.layout import per_device_totals
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.golden import diff
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.dump import case_layouts
+from sharding_dump.zoo.dump import case_layouts, trace_activations
 
 GROUP_ORDER = {"params": 0, "opt_state": 1}
 
@@ -55,11 +56,19 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
 
 
 def render_tensor_grid(case: Case, path: str) -> str:
-    """One leaf of `case` drawn over the mesh; BadInput naming the nearest paths when there is no such leaf."""
+    """One leaf of `case`'s training state, or one activation of its traced step (`forward/...`,
+    `backward/...`, as the activation golden keys it), drawn over the mesh; BadInput naming the nearest
+    paths when there is no such tensor."""
     setup, layouts = case_layouts(case)
     by_path = {t.path: t for t in layouts}
+    if path not in by_path and path.startswith(("forward/", "backward/")):
+        for c in trace_activations(setup):
+            if c.key == path:
+                return pictures.split_grid(c.key, c.shape, c.dtype, c.logical_axes,
+                                           specs.spec_to_json(c.partition_spec, len(c.shape)), setup.plan.sizes) + "\n"
     if path not in by_path:
-        near = sorted(p for p in by_path if path.rsplit("/", 1)[-1] in p)[:5] or sorted(by_path)[:5]
+        ordered = sorted(by_path, key=lambda p: (GROUP_ORDER.get(p.split("/", 1)[0], 2), p))
+        near = [p for p in ordered if path.rsplit("/", 1)[-1] in p][:5] or ordered[:5]
         raise BadInput(f"--tensor {shown(path)}: no such leaf in {case.label} (leaves like {', '.join(near)}; "
                        f"`sharding-dump show` without --tensor lists them all)")
     t = by_path[path]
@@ -72,9 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-specs", action="store_true",
                         help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
     parser.add_argument("--tensor", metavar="PATH",
-                        help="draw one leaf's split over the mesh (its path as the table shows it, e.g. "
-                             "params/decoder/layers/mlp/wi_0/kernel): which mesh axes split which dimension, the "
-                             "block each device holds")
+                        help="draw one tensor's split over the mesh: a leaf of the state as the table shows it "
+                             "(e.g. params/decoder/layers/mlp/wi_0/kernel) or an activation as its golden keys it "
+                             "(forward/..., backward/...): which mesh axes split which dimension, the block each "
+                             "device holds")
     options.add_settings_argument(parser)
 
 

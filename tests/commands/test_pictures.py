@@ -31,6 +31,7 @@ def test_show_tensor_unknown_path_is_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert "--tensor 'params/nope': no such leaf in llama2-7b/tpu7x-2048/slice_1/" in captured.err
+    assert "(leaves like params/decoder/" in captured.err  # the parameters first
 
 
 def test_replicated_tensor_has_no_grid():
@@ -64,3 +65,15 @@ def test_memory_chart_only_when_memory_moved():
     assert memory_chart({"params": (None, 10)}) is None
     chart = memory_chart({"params": (3 * 2**20, 2**20), "step": (4, 4), "total": (3 * 2**20 + 4, 2**20 + 4)})
     assert '    y-axis "MiB per device"' in chart and "    bar [3.00, 1.00]" in chart and "step" not in chart
+
+
+def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):
+    """An activation of the traced step (`forward/...`) is drawn from the case's trace as its committed
+    golden records it."""
+    act = "forward/decoder/layers/mlp/mlp_hidden"
+    assert main(["show", *CASE, "--tensor", act]) == 0
+    golden = json.loads((FOLDER / "activation_shardings.json").read_text())
+    entry = golden["tensors"][act]
+    sizes = dict(zip(golden["mesh"]["axis_names"], golden["mesh"]["axis_sizes"]))
+    assert capsys.readouterr().out == split_grid(act, entry["shape"], entry["dtype"], entry["logical_axes"],
+                                                 entry["partition_spec"], sizes) + "\n"
