@@ -1,5 +1,5 @@
 """Leaf paths are MaxText's: every MaxText sharding dump kept in `tests/data/maxtext/` (its deepseek2-16b
-goldens, one case per decoder block, and four pipelines: one layer per stage, a stage of sequential
+goldens, one case per decoder block, and pipelines: one layer per stage, a stage of sequential
 layers, a stage's scan, DeepSeek's MoE pipeline) names exactly the leaves our golden of the same case
 names, each of its keys read from jax's key syntax by `sharding_dump.core.specs.leaf_path`. No table
 of names stands between the two, here or in `tools/compare_maxtext.py`.
