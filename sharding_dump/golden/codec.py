@@ -54,10 +54,14 @@ def canonical_bytes(doc: Mapping[str, Any]) -> bytes:
     return (json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 def render(docs: Mapping[str, Mapping[str, Any]]) -> dict[str, bytes]:
-    """{file name: document} -> {file name: canonical bytes}, every document schema-checked first."""
+    """{file name: document} -> {file name: canonical bytes}, every document schema-checked first (its
+    bytes, read back by :func:`read_document`, are not checked again)."""
     for name, doc in docs.items():
         check_document(doc, name)
-    return {name: canonical_bytes(doc) for name, doc in sorted(docs.items())}
+    rendered = {name: canonical_bytes(doc) for name, doc in sorted(docs.items())}
+    for data in rendered.values():
+        _note_valid(hashlib.sha256(data).digest())
+    return rendered
 
 def read_document(path: Path) -> dict[str, Any]:
     """Reads and schema-checks a golden file (regular, bounded, UTF-8 JSON); a file named after one
@@ -72,10 +76,14 @@ def read_document(path: Path) -> dict[str, Any]:
     digest = hashlib.sha256(text.encode("utf-8")).digest()
     if digest not in _VALIDATED:  # the same text passes or fails its schema the same way every time
         check_document(doc, f"golden file {path}")
-        if len(_VALIDATED) >= 4096:
-            _VALIDATED.clear()
-        _VALIDATED.add(digest)
+        _note_valid(digest)
     return doc
+
+
+def _note_valid(digest: bytes) -> None:
+    if len(_VALIDATED) >= 4096:
+        _VALIDATED.clear()
+    _VALIDATED.add(digest)
 
 
 _VALIDATED: set[bytes] = set()  # digests of documents that passed their schema in this process

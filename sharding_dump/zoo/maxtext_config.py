@@ -169,9 +169,12 @@ def _display(path: Path) -> str:
     return display(path)
 
 
+@functools.lru_cache(maxsize=64)
 def _omegaconf(text: str, where: str) -> DictConfig:
     """YAML text as OmegaConf reads it (MaxText's reader: 1e-5 is a float, where YAML 1.1 reads a
-    string), after the package's strict reader has held it to its limits; BadInput naming `where`."""
+    string), after the package's strict reader has held it to its limits; BadInput naming `where`.
+    Cached by text: base.yml is read for every composition, and nothing here changes a read config in
+    place (`OmegaConf.merge` copies what it merges into)."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -326,14 +329,15 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
     files = _load_chain(config_path, configs_dir, origins)
     cli_config = parse_command_line(command_line, source)
     cli = _plain(cli_config)
-    name = model_name_of(_plain(_merge(files, cli_config)))
+    head = _plain(_merge(files, cli_config))  # the files under the command line, before the model config
+    name = model_name_of(head)
     model_config = None
     model: dict[str, Any] = {}
     model_path = _model_file(config_path, name, configs_dir) if name != "default" else None
     if model_path is not None:
         model_config = _read(model_path, "MaxText model config")
         model = _plain(model_config)
-        if _plain(_merge(files, cli_config)).get("override_model_config"):
+        if head.get("override_model_config"):
             model = {k: v for k, v in model.items() if k not in cli}
             model_config = _merge(model)
         else:
