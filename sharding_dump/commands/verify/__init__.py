@@ -40,6 +40,7 @@ from sharding_dump.commands.verify.run import (
     check_tpu_available,
     check_tpu_case,
     golden_specs,
+    kill_children,
     verify_case,
 )
 from sharding_dump.commands.verify.settings import (
@@ -85,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
         golden_specs(case, settings.golden_dir)
     results = []
     # Threads only wait: each compile runs in a child process of its own. map() yields in the cases'
-    # order, so each case is reported as soon as it and every case before it are done.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(args.jobs, len(cases)) or 1) as pool:
-        for index, result in enumerate(pool.map(lambda case: verify_case(case, settings), cases), 1):
+    # order, so each case is reported as soon as it and every case before it are done. One job runs
+    # in this thread; with more, a Ctrl-C (which only this thread sees) ends the other threads' children.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) if args.jobs > 1 and len(cases) > 1 else None
+    verified = (pool.map(lambda case: verify_case(case, settings), cases) if pool is not None else
+                (verify_case(case, settings) for case in cases))
+    try:
+        for index, result in enumerate(verified, 1):
             results.append(result)
             prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
             if args.format == "text":
@@ -95,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
             else:  # stdout is the report to paste or parse; progress goes to stderr
                 status = "FAILED" if result.failures else "ok"
                 print(f"{prefix}{result.label}: {status} ({result.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
+    except BaseException:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            kill_children()
+        raise
+    if pool is not None:
+        pool.shutdown()
     if args.format == "text":
         failed = sum(1 for r in results if r.failures)
         print(f"{len(results)} case{'s' * (len(results) != 1)} verified, {failed} failed")

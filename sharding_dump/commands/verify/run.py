@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,26 @@ COMPILING = "compiling"  # the file the child touches when it starts to compile:
 POLL_SECONDS = 0.1
 
 
+_LIVE: set[subprocess.Popen] = set()  # the compiling children running now, from any thread (`verify -j N`)
+_LIVE_LOCK = threading.Lock()
+
+
+def kill_children() -> None:
+    """Ends every compiling child still running: a Ctrl-C reaches the main thread only, while `-j N`
+    waits for its children in other threads."""
+    with _LIVE_LOCK:
+        for proc in _LIVE:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def _run_child(case: Any, work: Path, log: Any, env: dict[str, str], limit: float) -> int:
     """Runs the compiling child; its exit status. The compile it starts may take `limit` seconds (the
     child bounds the user's code itself); a Ctrl-C here (or any other way out) ends the child too."""
     proc = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.verify.child", str(work)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
     try:
         while True:
             try:
@@ -71,6 +87,8 @@ def _run_child(case: Any, work: Path, log: Any, env: dict[str, str], limit: floa
                 raise BadInput(f"verify {case.label}: compiling the training step did not finish within the time limit "
                                f"of {seconds_text(limit)} ({LIMIT_HINT})")
     finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
