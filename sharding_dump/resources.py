@@ -282,11 +282,12 @@ def yaml_item_lines(path: Path, key: str) -> list[int]:
     """The 1-based line of each item of the top-level list `key` of a YAML file (empty when absent),
     so a finding can point at the exact rule a user would edit. Call after :func:`load_yaml` has
     accepted the file."""
-    return list(_item_lines(read_text(path, "file", YAML_MAX_BYTES), key))
+    return list(item_lines(read_text(path, "file", YAML_MAX_BYTES), key))
 
 
 @functools.lru_cache(maxsize=256)
-def _item_lines(text: str, key: str) -> tuple[int, ...]:
+def item_lines(text: str, key: str) -> tuple[int, ...]:
+    """:func:`yaml_item_lines` of a YAML file's text, already read."""
     node = yaml.compose(text, Loader=_BaseLoader)
     if not isinstance(node, yaml.MappingNode):
         return ()

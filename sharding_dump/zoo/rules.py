@@ -14,6 +14,7 @@ P('fsdp', None)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from pathlib import Path
@@ -24,7 +25,8 @@ from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.golden.engine import display
-from sharding_dump.resources import RULES_DIR, load_yaml, validate, yaml_item_lines
+from sharding_dump.resources import (RULES_DIR, YAML_MAX_BYTES, item_lines, parse_yaml, read_text, validate,
+                                     yaml_item_lines)
 from sharding_dump.zoo import settings as settings_mod
 
 MeshAxes = str | tuple[str, ...] | None
@@ -90,10 +92,17 @@ def rule_path(ref: str) -> Path:
 
 
 def load_rule(ref: str) -> RuleSet:
-    """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path)."""
+    """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path). The file is read
+    every time; what its text gives is checked once per process (a test session or `--all` loads the
+    same few files for every case, and the schema check is most of the cost)."""
     path = rule_path(ref)
+    return _rule_set(rule_name(ref), path, read_text(path, "rule file", YAML_MAX_BYTES))
+
+
+@functools.lru_cache(maxsize=64)
+def _rule_set(label: str, path: Path, text: str) -> RuleSet:
     where = f"rule file {path}"
-    data = load_yaml(path, "rule file")
+    data = parse_yaml(text, f"{where}:")
     validate(data, "rule", where)
     mesh_axes = tuple(data["mesh_axes"])
     sized_by: dict[str, str] = {}
@@ -104,7 +113,7 @@ def load_rule(ref: str) -> RuleSet:
                            f"rename one")
         sized_by[key] = axis
     rules: Rules = tuple((name, rule_axes(axes)) for name, axes in data.get("logical_axis_rules", ()))
-    path_rules = _partition_rules(path, data.get("partition_rules", []), mesh_axes,
+    path_rules = _partition_rules(path, text, data.get("partition_rules", []), mesh_axes,
                                   {name for name, _ in data.get("logical_axis_rules", ())})
     for index, (name, axes) in enumerate(rules):
         for axis in entry_axes(axes):
@@ -130,7 +139,7 @@ def load_rule(ref: str) -> RuleSet:
             raise BadInput(f"{where}: field mesh_rules/{index}/settings: {err}") from None
         mesh_rules.append((entry["match"], parsed))
     return RuleSet(
-        name=rule_name(ref),
+        name=label,
         path=path,
         mesh_axes=mesh_axes,
         data_sharding=data_sharding,
@@ -138,18 +147,18 @@ def load_rule(ref: str) -> RuleSet:
         input_data_sharding_logical_axes=tuple(data.get("input_data_sharding_logical_axes", ())),
         logical_axis_rules=rules,
         mesh_rules=tuple(mesh_rules),
-        origins=tuple((path, line) for line in yaml_item_lines(path, "logical_axis_rules")),
+        origins=tuple((path, line) for line in item_lines(text, "logical_axis_rules")),
         partition_rules=path_rules,
     )
 
 
-def _partition_rules(path: Path, entries: list[Any], mesh_axes: tuple[str, ...],
+def _partition_rules(path: Path, text: str, entries: list[Any], mesh_axes: tuple[str, ...],
                      logical_names: set[str]) -> tuple[PathRule, ...]:
     """The `partition_rules` of a rule file, each regex compiled, each mesh axis declared and used
     once per spec (a mesh axis splits one dimension at most), each logical name one the file's
     `logical_axis_rules` resolve (another would leave its dimension whole without a word)."""
     where = f"rule file {path}"
-    lines = yaml_item_lines(path, "partition_rules")
+    lines = item_lines(text, "partition_rules")
     out = []
     for index, (pattern, spec) in enumerate(entries):
         try:
