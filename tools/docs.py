@@ -7,7 +7,8 @@ table, count or output block on it is typed by hand:
 - the front page, `docs/index.md`, from `README.md` (links into the site made relative to it);
 - every output block of a hand-written page (between `<!-- output: NAME -->` and `<!-- /output -->`),
   count (between `<!-- count: NAME -->` and `<!-- /count -->`) and raw markdown or HTML (`<!-- raw: NAME -->`:
-  the pinned versions from the constraints files, the HTML report's chart), by running the real code on
+  the pinned versions from the constraints files, the HTML report's chart, the TPU temporaries measured
+  against MaxText in `tests/data/maxtext/tpu_temporaries.yml`), by running the real code on
   this checkout: a rule file with one line changed, its golden report, `diff --format markdown` with
   its memory chart, `check`, `show --tensor`.
 
@@ -38,6 +39,7 @@ DOCS = REPO / "docs"
 MAXTEXT_MODELS = REPO / "tests/data/maxtext/models.yml"
 MAXTEXT_BLOCKS = REPO / "tests/data/maxtext/blocks"
 MAXTEXT_GOLDENS = REPO / "tests/data/maxtext/goldens"
+TPU_TEMPORARIES = REPO / "tests/data/maxtext/tpu_temporaries.yml"
 BLOCK = re.compile(r"(<!-- output: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /output -->)", re.S)
 COUNT = re.compile(r"(<!-- count: (?P<name>[\w-]+) -->)(?P<body>.*?)(<!-- /count -->)")
 RAW = re.compile(r"(<!-- raw: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /raw -->)", re.S)
@@ -353,6 +355,20 @@ def pinned_table() -> str:
     return table(["file", "Python", "jax, jaxlib", "flax", "optax", "pytest", "what it is"], rows)
 
 
+def tpu_temporaries_table(group: str) -> str:
+    """verify --tpu's temporaries against MaxText's train_compile, one row per measured run of a case
+    of `group` (tests/data/maxtext/tpu_temporaries.yml), the difference computed here."""
+    rows = []
+    for entry in _yaml(TPU_TEMPORARIES)[group]:
+        for i, run in enumerate(entry["runs"]):
+            ours_args, maxtext_args = run.get("arguments") or (None, None)
+            args = (f"{(ours_args - maxtext_args) / 1e6:+.1f} MB" if None not in (ours_args, maxtext_args) else "")
+            rows.append([f"`{entry['case']}`" if i == 0 else "", run["libtpu"], f"{run['ours']:,}", f"{run['maxtext']:,}",
+                         f"{(run['ours'] - run['maxtext']) / run['maxtext']:+.1%}", args, f"`{run['at']}`"])
+    return table(["case", "libtpu", "`verify --tpu`", "MaxText `train_compile`", "difference", "arguments differ by",
+                  "measured at"], rows, right=(2, 3, 4, 5))
+
+
 def outputs() -> tuple[dict[str, str], dict[str, str]]:
     """Every output block (name -> text inside its fence) and count (name -> text) the pages use."""
     from sharding_dump.commands import check, diff, options, pictures, show
@@ -469,7 +485,8 @@ def pages_with_outputs() -> list[Path]:
 def output_pages() -> dict[Path, str]:
     """Every hand-written page holding output blocks or counts, filled by running the code now."""
     blocks, counts = outputs()
-    raws = {"pinned-versions": pinned_table(), "embed-svg": blocks.pop("embed-svg")}
+    raws = {"pinned-versions": pinned_table(), "embed-svg": blocks.pop("embed-svg"),
+            "tpu-temporaries-dense": tpu_temporaries_table("dense"), "tpu-temporaries-moe": tpu_temporaries_table("moe")}
     return {path: fill(path.read_text(), blocks, counts, str(path.relative_to(REPO)), raws)
             for path in pages_with_outputs()}
 
