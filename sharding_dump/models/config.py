@@ -19,6 +19,8 @@ from typing import Any
 
 # The one declaration of every card field (data files live beside the package's modules).
 CARD_SCHEMA = Path(__file__).resolve().parents[1] / "data" / "schemas" / "model-card.schema.json"
+# Card fields that are not hyperparameters: documentation, and the run settings a card defaults.
+NOT_MODEL_FIELDS = ("description", "settings")
 _PYTHON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str, "array": tuple}
 # What the model is built in and how it runs, set by the run (the `weight_dtype` and `sparse_matmul`
 # settings), not by the card.
@@ -53,7 +55,7 @@ def _config_class() -> type:
     schema = json.loads(CARD_SCHEMA.read_text(encoding="utf-8"))
     required, optional = [], []
     for name, prop in schema["properties"].items():
-        if name == "description":
+        if name in NOT_MODEL_FIELDS:
             continue
         kind = _PYTHON_TYPES.get(prop.get("type"), int if "$ref" in prop else str)
         if name in schema["required"]:

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import NUMERICS, ModelConfig, default_of, frozen, is_default
+from sharding_dump.models.config import NOT_MODEL_FIELDS, NUMERICS, ModelConfig, default_of, frozen, is_default
 from sharding_dump.resources import DATA_DIR, MODELS_DIR, load_yaml, validate
+from sharding_dump.zoo.settings import parse_overrides
 
 if TYPE_CHECKING:
     import flax.linen as nn
@@ -269,7 +270,23 @@ def _read_card(path: Path, stamp: int, expected_name: str | None) -> dict[str, A
         raise BadInput(f"{where}: field name: {data['name']!r} must match the file name {expected_name!r}")
     check_card_block(data, where)
     check_card_consistency(data, where)
+    try:
+        parse_overrides(data.get("settings", {}))
+    except BadInput as err:
+        raise BadInput(f"{where}: field settings: {err}") from None
     return data
+
+
+def card_settings(ref: str) -> dict[str, Any]:
+    """The run settings a card sets as its case's defaults (KEY=VALUE overrides win), as MaxText's
+    model config of the same name sets them: gpt3-6b's `opt_type: adam_pax` and `max_target_length: 1024`.
+
+    >>> card_settings("gpt3-6b")
+    {'opt_type': 'adam_pax', 'max_target_length': 1024}
+    >>> card_settings("llama2-7b")
+    {}
+    """
+    return dict(parse_overrides(load_card(ref).get("settings", {})))
 
 
 def check_card_block(card: dict[str, Any], where: str) -> None:
@@ -279,7 +296,7 @@ def check_card_block(card: dict[str, Any], where: str) -> None:
     block = _declared(name, where)
     honoured = honoured_fields(name)
     for field, value in card.items():
-        if field in honoured or is_default(value, field):
+        if field in honoured or field in NOT_MODEL_FIELDS or is_default(value, field):
             continue
         others = sorted(b for b, known in decoder_blocks().items()  # an installed family not yet read is left out
                         if known.fields is not None and field in honoured_fields(b))
@@ -326,7 +343,7 @@ def check_card_consistency(card: dict[str, Any], where: str) -> None:
 
 def load_config(ref: str, **run_settings: Any) -> ModelConfig:
     """The ModelConfig of a card (by name or path), with run settings (e.g. weight_dtype) applied."""
-    data = {field: frozen(value) for field, value in load_card(ref).items() if field != "description"}
+    data = {field: frozen(value) for field, value in load_card(ref).items() if field not in NOT_MODEL_FIELDS}
     numerics = {name: run_settings[name] for name, _, _ in NUMERICS if name in run_settings}
     return ModelConfig(**data, **numerics)
 

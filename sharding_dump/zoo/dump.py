@@ -88,7 +88,8 @@ def setup_case(case: Case) -> CaseSetup:
     topology = load_topology(case.topology, case.num_slices)
     rule_set = rules.load_rule(case.rule)
     mesh_defaults = rule_set.mesh_settings_for(topology.name)
-    values = settings.resolve(case.overrides, mesh_defaults)
+    card_defaults = cards.card_settings(case.model) if case.model_ref.kind != "factory" else {}
+    values = settings.resolve(case.overrides, card_defaults, mesh_defaults)
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
     if case.model_ref.kind == "factory":

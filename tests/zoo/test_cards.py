@@ -130,6 +130,7 @@ def test_field_the_block_ignores_exits_2_naming_it(tmp_path, capsys, base, field
     ("mixtral-8x7b", {"moe_mlp_dim": 1024}, "field moe_mlp_dim: 1024 must equal mlp_dim (14336)"),
     ("deepseek2-16b", {"num_kv_heads": 8}, "field num_kv_heads: 8 must equal num_query_heads (16)"),
     ("gemma-7b", {"emb_dim": "wide"}, "field emb_dim: must be an integer, not str"),
+    ("gpt3-6b", {"settings": {"max_target_len": 1024}}, "field settings: unknown setting 'max_target_len'"),
 ])
 def test_inconsistent_card_exits_2(tmp_path, capsys, base, change, message):
     path = card_file(tmp_path, base, "my-card", **change)

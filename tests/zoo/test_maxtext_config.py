@@ -218,22 +218,29 @@ def test_verify_is_told_what_it_compiles_otherwise():
 
 # --- every card is its MaxText model config --------------------------------------------------------
 
-# Run settings that MaxText's model configs set beside the model (its GPT-3 configs train with
-# adam_pax, two of them on 1024-token sequences): the case of such a config has them.
-MODEL_CONFIG_SETTINGS = {
-    "gpt3-52k": {"opt_type": "adam_pax"},
-    "gpt3-6b": {"opt_type": "adam_pax", "max_target_length": 1024},
-    "gpt3-22b": {"opt_type": "adam_pax", "max_target_length": 1024},
-    "gpt3-175b": {"opt_type": "adam_pax"},
-}
-
-
 @pytest.mark.parametrize("card", sweep_beyond_first(cards.model_names(), lambda name: cards.load_config(name).decoder_block))
 def test_every_card_composes_from_maxtexts_model_config(card):
     """base.yml + models/<card>.yml, as MaxText composes them, is the card (every layout-relevant key
-    equal) under MaxText's base rules merged with the model config's."""
+    equal) under MaxText's base rules merged with the model config's; the run settings the model config
+    sets beside the model (MaxText's GPT-3 configs: adam_pax, two of them on 1024 tokens) are the card's
+    `settings`."""
     case = read(f"model_name={card}", config=BASE, topology="v5p-16")
-    assert case == Case.make(card, "v5p-16", "default", overrides=MODEL_CONFIG_SETTINGS.get(card, {}))
+    assert case == Case.make(card, "v5p-16", "default", overrides=cards.card_settings(card))
+
+
+def test_a_cards_settings_are_its_cases_defaults():
+    """`--model gpt3-6b` trains as MaxText's `model_name=gpt3-6b` does (adam_pax on 1024 tokens): the same
+    tensors as the matrix case that names those settings; a KEY=VALUE still wins."""
+    from sharding_dump.zoo.dump import case_layouts, setup_case
+
+    plain = setup_case(Case.make("gpt3-6b", "tpu7x-8", "default"))
+    assert (plain.values["opt_type"], plain.values["max_target_length"]) == ("adam_pax", 1024)
+    named = Case.make("gpt3-6b", "tpu7x-8", "default", overrides={"opt_type": "adam_pax", "max_target_length": 1024})
+    assert named in load_matrix()
+    layouts = [[(t.path, t.shape, t.partition_spec) for t in case_layouts(c)[1]] for c in (plain.case, named)]
+    assert layouts[0] == layouts[1] and any(path.startswith("opt_state") for path, _, _ in layouts[0])
+    other = setup_case(Case.make("gpt3-6b", "tpu7x-8", "default", overrides={"opt_type": "adamw"}))
+    assert (other.values["opt_type"], other.values["max_target_length"]) == ("adamw", 1024)
 
 
 def test_a_card_that_drifts_from_maxtext_is_refused(tmp_path):
