@@ -70,10 +70,12 @@ def check_bytes(data: bytes, where: str, doc: Mapping[str, Any] | None = None) -
     sharding_dump.errors.BadInput: logical_shardings.json: field (top level): 'format_version' is a required property
     """
     digest = hashlib.sha256(data).digest()
-    if digest in _VALIDATED:
+    if digest in _VALIDATED:  # the same bytes pass or fail their schema the same way every time
         return
     check_document(json.loads(data) if doc is None else doc, where)
-    _note_valid(digest)
+    if len(_VALIDATED) >= 4096:
+        _VALIDATED.clear()
+    _VALIDATED.add(digest)
 
 def read_document(path: Path) -> dict[str, Any]:
     """Reads and schema-checks a golden file (regular, bounded, UTF-8 JSON); a file named after one
@@ -85,17 +87,8 @@ def read_document(path: Path) -> dict[str, Any]:
     if expected is not None and kind != expected:
         raise BadInput(f"golden file {path}: field kind: {json.dumps(kind)[:40]} under the name {Path(path).name}, "
                        f"which holds kind {expected!r}")
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    if digest not in _VALIDATED:  # the same text passes or fails its schema the same way every time
-        check_document(doc, f"golden file {path}")
-        _note_valid(digest)
+    check_bytes(text.encode("utf-8"), f"golden file {path}", doc)
     return doc
-
-
-def _note_valid(digest: bytes) -> None:
-    if len(_VALIDATED) >= 4096:
-        _VALIDATED.clear()
-    _VALIDATED.add(digest)
 
 
 _VALIDATED: set[bytes] = set()  # digests of documents that passed their schema in this process
