@@ -1,8 +1,8 @@
 """Where the package's data files live, and how they are read.
 
 Every YAML file goes through :func:`load_yaml` (a safe loader, errors as one-line BadInput naming the
-file); every JSON Schema through :func:`schema_validator` (jsonschema, the schemas' own draft 2020-12,
-`$ref` between them resolved by their `$id`).
+file); every JSON Schema through :func:`schema_validator` (jsonschema-rs, the schemas' own draft 2020-12,
+`$ref` between them resolved by their `$id`), its errors worded as jsonschema words them.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import yaml
 
 from sharding_dump.errors import BadInput, os_error, shown
 
-if TYPE_CHECKING:  # jsonschema is imported when a validator is first asked for
-    import jsonschema
-    import referencing
+if TYPE_CHECKING:  # jsonschema-rs is imported when a validator is first asked for
+    import jsonschema_rs
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DATA_DIR = PACKAGE_DIR / "data"
@@ -199,14 +198,13 @@ def parse_json(text: str, where: str) -> Any:
 
 
 def _depth(value: Any) -> int:
-    """How deeply lists and dicts nest in `value`, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, (list, dict)):
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+    """How deeply lists and dicts nest in `value`, level by level, without recursion."""
+    depth, level = 0, [value] if isinstance(value, (list, dict)) else []
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        children = [child for item in level for child in (item.values() if isinstance(item, dict) else item)]
+        level = [child for child in children if isinstance(child, (list, dict))]
+    return depth
 
 
 @functools.cache
@@ -216,14 +214,8 @@ def _schemas() -> dict[str, dict[str, Any]]:
     return {schema["$id"]: schema for schema in schemas}
 
 
-@functools.cache
-def _schema_registry() -> referencing.Registry:
-    """Every schema by its $id, so schemas can $ref each other offline (the test suite checks each
-    against its metaschema: they are the package's own files, not input)."""
-    import referencing
-
-    return referencing.Registry().with_resources(
-        (schema_id, referencing.Resource.from_contents(schema)) for schema_id, schema in _schemas().items())
+def _schema_id(name: str) -> str:
+    return f"sharding-dump/{name}.schema.json"
 
 
 def is_valid(instance: Any, schema_name: str) -> bool:
@@ -239,43 +231,155 @@ def is_valid(instance: Any, schema_name: str) -> bool:
 
 
 @functools.cache
-def schema_validator(name: str) -> jsonschema.protocols.Validator:
-    """The validator for `data/schemas/<name>.schema.json` (every schema is metaschema-checked)."""
-    import jsonschema
+def schema_validator(name: str) -> jsonschema_rs.Validator:
+    """The validator for `data/schemas/<name>.schema.json` (jsonschema-rs, the schema's own draft
+    2020-12, `$ref` between schemas resolved offline by their `$id`; a KeyError for no such schema).
+    The test suite checks every schema against its metaschema: they are the package's own files."""
+    import jsonschema_rs
 
-    registry = _schema_registry()
-    schema = registry.contents(f"sharding-dump/{name}.schema.json")
-    return jsonschema.validators.validator_for(schema)(schema, registry=registry)
+    schemas = _schemas()
+    schema = schemas[_schema_id(name)]
+    registry = jsonschema_rs.Registry(list(schemas.items()))
+    return jsonschema_rs.validator_for(schema, registry=registry)
 
 
 def validate(instance: Any, schema_name: str, where: str) -> None:
-    """Raises BadInput naming `where` and the first failing field when `instance` breaks the schema."""
+    """Raises BadInput naming `where` and the most relevant failing field when `instance` breaks the schema."""
     if is_valid(instance, schema_name):
         return
-    import jsonschema
-
-    validator = schema_validator(schema_name)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
-    if error is None:
-        return
-    raise BadInput(f"{where}: field {error_field(error)}: {error_message(error)}")
+    error = best_error(schema_validator(schema_name).iter_errors(instance), _schema_id(schema_name))
+    if error is not None:
+        raise BadInput(f"{where}: {error}")
 
 
-def error_field(error: jsonschema.ValidationError) -> str:
-    """The '/'-joined path of the failing field."""
-    return "/".join(str(p) for p in error.absolute_path) or "(top level)"
+_WEAK = ("AnyOf", "OneOfNotValid", "OneOfMultipleValid")  # superseded by another error at the same field
 
 
-def error_message(error: jsonschema.ValidationError) -> str:
-    """A short message that never echoes a large instance back (it may be any file's content)."""
-    if error.validator == "type":
-        expected = error.validator_value
-        expected = " or ".join(expected) if isinstance(expected, list) else expected
-        return f"must be {'an' if str(expected)[0] in 'aeiou' else 'a'} {expected}, not {type(error.instance).__name__}"
-    if error.validator in ("oneOf", "enum") and isinstance(error.schema, dict) and "description" in error.schema:
-        return f"{json.dumps(error.instance)[:60]} is not {error.schema['description'].rstrip('.')}"
-    message = error.message
-    return message if len(message) <= 160 else message[:157] + "..."
+class SchemaError:
+    """One failing field of a schema check: where (`field`) and why (`message`), read from a
+    jsonschema-rs error and the schema keyword that failed."""
+
+    def __init__(self, error: jsonschema_rs.ValidationError, root_id: str) -> None:
+        self.error = error
+        self.path = tuple(error.instance_path)
+        self.kind = type(error.kind).__name__
+        self.detail = error.kind.as_dict()
+        self.schema = _subschema(root_id, tuple(error.evaluation_path)[:-1])
+
+    def relevance(self) -> tuple[Any, ...]:
+        """jsonschema's `best_match` order (the greatest wins): shallower fields, then later siblings,
+        then anything but an anyOf/oneOf, then an error whose instance has the type its schema asks for."""
+        path = [(isinstance(p, str), p) for p in self.path]
+        return (-len(self.path), path, self.kind not in _WEAK, not self._matches_type())
+
+    def _matches_type(self) -> bool:
+        expected = self.schema.get("type") if isinstance(self.schema, dict) else None
+        if expected is None:
+            return False
+        return any(_is_type(self.error.instance, t) for t in ([expected] if isinstance(expected, str) else expected))
+
+    def context(self, root_id: str) -> list[SchemaError]:
+        branches = self.detail.get("context") or []
+        return [SchemaError(error, root_id) for branch in branches for error in branch]
+
+    @property
+    def field(self) -> str:
+        """The '/'-joined path of the failing field."""
+        return "/".join(str(p) for p in self.path) or "(top level)"
+
+    @property
+    def message(self) -> str:
+        """A short message that never echoes a large instance back (it may be any file's content)."""
+        message = _message(self)
+        return message if len(message) <= 160 else message[:157] + "..."
+
+    def __str__(self) -> str:
+        return f"field {self.field}: {self.message}"
+
+
+def best_error(errors: Any, root_id: str) -> SchemaError | None:
+    """The error a reader should see first, chosen as jsonschema's `best_match` chooses: the most
+    relevant one, and inside an anyOf/oneOf the most relevant branch error when one stands out."""
+    found = [SchemaError(error, root_id) for error in errors]
+    if not found:
+        return None
+    best = max(found, key=SchemaError.relevance)
+    while context := best.context(root_id):
+        ranked = sorted(context, key=SchemaError.relevance)[:2]
+        if len(ranked) == 2 and ranked[0].relevance() == ranked[1].relevance():
+            return best
+        best = ranked[0]
+    return best
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    kinds = {"string": str, "object": dict, "array": list, "boolean": bool, "null": type(None)}
+    return isinstance(value, kinds.get(name, object))
+
+
+@functools.lru_cache(maxsize=1024)
+def _subschema(root_id: str, evaluation_path: tuple[Any, ...]) -> Any:
+    """The schema object an error's keyword sits in, walked from the root schema along the error's
+    evaluation path (a `$ref` followed into its target, in this schema or another by its $id)."""
+    schemas = _schemas()
+    doc_id, node = root_id, schemas[root_id]
+    for step in evaluation_path:
+        if step == "$ref" and isinstance(node, dict) and isinstance(node.get("$ref"), str):
+            target, _, pointer = node["$ref"].partition("#")
+            if target:
+                doc_id = f"{doc_id.rpartition('/')[0]}/{target}"
+            node = schemas[doc_id]
+            for part in filter(None, pointer.split("/")):
+                node = node[part]
+            continue
+        try:
+            node = node[step]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def _message(error: SchemaError) -> str:
+    """jsonschema's wording of each kind of failure, with the instance as Python shows it."""
+    instance, detail, kind, schema = error.error.instance, error.detail, error.kind, error.schema
+    described = isinstance(schema, dict) and "description" in schema
+    if kind == "Type":
+        expected = schema.get("type", detail["types"]) if isinstance(schema, dict) else detail["types"]
+        expected = " or ".join(expected) if isinstance(expected, list) else expected  # in the schema's order
+        return f"must be {'an' if str(expected)[0] in 'aeiou' else 'a'} {expected}, not {type(instance).__name__}"
+    if kind in ("OneOfNotValid", "OneOfMultipleValid", "Enum", "AnyOf") and described:
+        return f"{json.dumps(instance)[:60]} is not {schema['description'].rstrip('.')}"
+    if kind == "Required":
+        return f"{detail['property']!r} is a required property"
+    if kind == "AdditionalProperties":
+        extras = detail["unexpected"]
+        return (f"Additional properties are not allowed ({', '.join(map(repr, extras))} "
+                f"{'was' if len(extras) == 1 else 'were'} unexpected)")
+    short = repr(instance)[:160]
+    limit = detail.get("limit")
+    messages = {
+        "Enum": lambda: f"{short} is not one of {detail.get('options')!r}",
+        "Constant": lambda: f"{detail.get('expected_value')!r} was expected",
+        "Pattern": lambda: f"{short} does not match {detail.get('pattern')!r}",
+        "Minimum": lambda: f"{short} is less than the minimum of {limit!r}",
+        "Maximum": lambda: f"{short} is greater than the maximum of {limit!r}",
+        "ExclusiveMinimum": lambda: f"{short} is less than or equal to the minimum of {limit!r}",
+        "ExclusiveMaximum": lambda: f"{short} is greater than or equal to the maximum of {limit!r}",
+        "MinItems": lambda: f"{short} should be non-empty" if limit == 1 else f"{short} is too short",
+        "MinLength": lambda: f"{short} should be non-empty" if limit == 1 else f"{short} is too short",
+        "MinProperties": lambda: f"{short} should be non-empty" if limit == 1 else f"{short} does not have enough properties",
+        "MaxItems": lambda: f"{short} is expected to be empty" if limit == 0 else f"{short} is too long",
+        "MaxLength": lambda: f"{short} is expected to be empty" if limit == 0 else f"{short} is too long",
+        "UniqueItems": lambda: f"{short} has non-unique elements",
+        "OneOfNotValid": lambda: f"{short} is not valid under any of the given schemas",
+        "AnyOf": lambda: f"{short} is not valid under any of the given schemas",
+        "FalseSchema": lambda: f"False schema does not allow {short}",
+    }
+    return messages[kind]() if kind in messages else error.error.message
 
 
 def yaml_item_lines(path: Path, key: str) -> list[int]:
