@@ -58,7 +58,7 @@ _EXPORTS = {
     "Outcome": "sharding_dump.golden.engine",
     "BadInput": "sharding_dump.errors",
     "Case": "sharding_dump.zoo.case",
-    "load_matrix": "sharding_dump.zoo.case",
+    "load_matrix": "sharding_dump.zoo.matrix",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

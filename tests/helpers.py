@@ -13,7 +13,8 @@ import pytest
 
 from sharding_dump.commands import cli
 from sharding_dump.golden import codec
-from sharding_dump.zoo.case import Case, golden_dir, load_matrix
+from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
 from sharding_dump.zoo.rules import load_rule
 from sharding_dump.zoo.settings import parse_overrides, resolve

@@ -3,7 +3,7 @@ table, count or output block on it is typed by hand:
 
 - the reference pages, from the package's data: model cards, MaxText's model configs and their status
   (`tests/data/maxtext/models.yml`), settings, rule files, topologies;
-- the Layout page, from the import rule `tests/integration/test_layers.py` holds and each module's docstring;
+- the Layout page, from the import rule `tools/layering.py` holds and each module's docstring;
 - the front page, `docs/index.md`, from `README.md` (links into the site made relative to it);
 - every output block of a hand-written page (between `<!-- output: NAME -->` and `<!-- /output -->`),
   count (between `<!-- count: NAME -->` and `<!-- /count -->`) and raw markdown or HTML (`<!-- raw: NAME -->`:
@@ -221,7 +221,7 @@ def topologies_page() -> str:
 
 
 def layout_page() -> str:
-    rule = _test_layers()
+    rule = _layering()
     folders = {"base": "`sharding_dump/errors.py`, `sharding_dump/resources.py`",
                "api": "`sharding_dump/__init__.py`", "plugin": "`sharding_dump/pytest_plugin.py`"}
     parts = []
@@ -232,9 +232,9 @@ def layout_page() -> str:
                      + "\n".join(modules) + "\n")
     return ("# Layout\n\nLayers point one way: `core` and `golden` know nothing of the zoo, `models` builds Flax "
             "modules on `core` alone, `zoo` turns a case into documents, and `commands` and the plugin are clients "
-            "of all. `tests/integration/test_layers.py` fails on any import against the rule below (its `ALLOWED`) "
-            "and on a private name imported from another module; this page is generated from that rule and from "
-            "each module's docstring.\n\n" + "\n".join(parts)
+            "of all. `tools/layering.py` (run by `tests/integration/test_layers.py`) reports any import against the "
+            "rule below (its `ALLOWED`), any import cycle between modules and any private name imported from another "
+            "module; this page is generated from that rule and from each module's docstring.\n\n" + "\n".join(parts)
             + "\n## Outside the package\n\n`sharding_dump/data/` and `sharding_dump/rules/` hold the data (topologies, "
             "settings, model cards, the case matrix, `check` and `verify` defaults, JSON schemas, the rule files); "
             "`golden/` the committed goldens; `examples/` models and programs of one's own, "
@@ -244,10 +244,9 @@ def layout_page() -> str:
 
 
 @functools.cache
-def _test_layers():
-    """tests/integration/test_layers.py as a module: the import rule is its `ALLOWED`."""
-    sys.path.insert(0, str(REPO / "tests"))
-    spec = importlib.util.spec_from_file_location("_layers_rule", REPO / "tests/integration/test_layers.py")
+def _layering():
+    """tools/layering.py as a module: the import rule is its `ALLOWED`."""
+    spec = importlib.util.spec_from_file_location("_layering", REPO / "tools/layering.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -283,7 +282,7 @@ def reference_pages() -> dict[Path, str]:
 
 def _source(path: str) -> str:
     return {"reference/maxtext-configs.md": "tests/data/maxtext/models.yml",
-            "maintainers/layout.md": "tests/integration/test_layers.py"}.get(path, "the package's data")
+            "maintainers/layout.md": "tools/layering.py"}.get(path, "the package's data")
 
 
 # --- output blocks and counts ----------------------------------------------------------------------
@@ -372,7 +371,8 @@ def tpu_temporaries_table(group: str) -> str:
 def outputs() -> tuple[dict[str, str], dict[str, str]]:
     """Every output block (name -> text inside its fence) and count (name -> text) the pages use."""
     from sharding_dump.commands import check, diff, options, pictures, show
-    from sharding_dump.zoo.case import Case, load_matrix
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.matrix import load_matrix
     from sharding_dump.zoo.goldens import check_or_update
 
     blocks, counts = {}, {}

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import specs
 from sharding_dump.core.specs import PathRule, match_path_rule
+from sharding_dump.core.tree import is_box, path_text
 
 LogicalAxes = tuple[str | None, ...]
 # A hook that may change a leaf's resolved spec (e.g. ZeRO-1 adds `data` to optimizer moments).
@@ -91,24 +92,6 @@ def resolve(logical_axes: Sequence[str | None], rules: Any) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(logical_axes), rules_of(rules))
 
 
-def is_box(x: Any) -> bool:
-    """A leaf boxed with its logical axes (flax `Partitioned`), as the abstract state holds parameters."""
-    return isinstance(x, nn.Partitioned)
-
-
-def _key_text(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    raise TypeError(f"unexpected pytree key {entry!r}")
-
-
-def path_text(key_path: Sequence[Any]) -> str:
-    """A pytree key path as the '/'-joined path the goldens use (a box's `value` is not a level)."""
-    return "/".join(_key_text(k) for k in key_path
-                    if not isinstance(k, jax.tree_util.GetAttrKey) or k.name != "value")
-
-
 def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
     """(path, abstract array, logical axes) for every leaf, in path order (an unboxed leaf has no
     logical axes: `()`, which MaxText's logical dump writes `[]`, where a box of unnamed dimensions
@@ -121,11 +104,6 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
             array, logical = leaf, ()
         out.append((path_text(key_path), array, logical))
     return sorted(out, key=lambda item: item[0])
-
-
-def unbox(state: Any) -> Any:
-    """The state with every `Partitioned` box replaced by its value (no constraint applied)."""
-    return jax.tree.map(lambda x: x.value if is_box(x) else x, state, is_leaf=is_box)
 
 
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,

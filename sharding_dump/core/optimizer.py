@@ -33,7 +33,7 @@ import jax
 from flax import struct
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from sharding_dump.core.layout import is_box, path_text, unbox
+from sharding_dump.core.tree import is_box, path_text, unbox
 
 DimMap = tuple[int | None, ...]  # per leaf dimension: the parameter dimension it is, or None
 _PROBE_AXIS = "sharding_dump_dim"

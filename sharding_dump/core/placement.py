@@ -106,7 +106,7 @@ def declared_specs(closed: Any) -> list[PartitionSpec | None]:
 def placed_outputs(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) -> tuple[Any, dict[str, PartitionSpec]]:
     """The abstract outputs of init (a pytree of ShapeDtypeStructs) with each declared spec in its
     leaf's type, as a trainer's state holds it after its jitted init, and {leaf path: declared spec}."""
-    from sharding_dump.core.layout import path_text
+    from sharding_dump.core.tree import path_text
 
     flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
     _check_paths([path_text(key_path) for key_path, _ in flat])
@@ -138,7 +138,7 @@ def _check_paths(paths: list[str]) -> None:
 def placed(state: Any, specs: Mapping[str, PartitionSpec], mesh: Any) -> Any:
     """`state` (abstract, boxed or not) with every leaf named in `specs` ({path: spec}) carrying that
     sharding in its type on `mesh`."""
-    from sharding_dump.core.layout import path_text
+    from sharding_dump.core.tree import path_text
 
     def typed(key_path: Any, leaf: Any) -> Any:
         spec = specs.get(path_text(key_path))

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sharding_dump.core.layout import is_box, leaves, path_rules_of, path_text, place_by_path, unbox
+from sharding_dump.core.layout import leaves, path_rules_of, place_by_path
+from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import Slot, optimizer_state
 from sharding_dump.core.placement import AXES_COLLECTION, box_params_axes

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from sharding_dump.core.capture import constrain, constrain_spec
-from sharding_dump.core.layout import unbox
+from sharding_dump.core.tree import unbox
 from sharding_dump.core.state import ApplyFn
 
 BATCH_FIELDS = ("inputs", "inputs_position", "targets")

@@ -34,10 +34,8 @@ from typing import Any, Callable
 from sharding_dump.core.boundary import guard
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.zoo.cards import card_files, resolve_model
+from sharding_dump.zoo.settings import MAX_REF, REFERENCE
 
-_FACTORY = re.compile(r"(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)=)?(?P<module>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"
-                      r":(?P<attr>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
-MAX_REF = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +65,7 @@ def parse_model_ref(text: str) -> ModelRef:
     """Checks a `--model` value: a known card name or a well-formed factory reference."""
     shown = text if len(text) <= 80 else text[:77] + "..."
     if is_factory_ref(text):
-        match = _FACTORY.fullmatch(text) if len(text) <= MAX_REF else None
+        match = REFERENCE.fullmatch(text) if len(text) <= MAX_REF else None
         if match is None:
             raise BadInput(f"model {shown!r}: a factory is written package.module:function or "
                            f"NAME=package.module:function (identifiers joined by '.', NAME of letters, digits, "
@@ -87,7 +85,7 @@ def _card_names() -> set[str]:
 def load_reference(text: str, what: str = "model") -> Callable[..., Any]:
     """The callable a `package.module:function` reference names; BadInput (one line, naming `what`
     the reference was given as: model, optimizer) when it cannot be imported."""
-    match = _FACTORY.fullmatch(text)
+    match = REFERENCE.fullmatch(text)
     if match is None:
         raise BadInput(f"{what} {shown(text)}: not a reference to a function (package.module:function)")
     module_name, attr = match["module"], match["attr"]
@@ -120,10 +118,3 @@ def load_reference(text: str, what: str = "model") -> Callable[..., Any]:
 def load_factory(text: str) -> Callable[[], Any]:
     """The callable a factory reference names; BadInput (one line) when it cannot be imported."""
     return load_reference(text, "model")
-
-
-def is_reference(text: str) -> bool:
-    """True for a well-formed `package.module:function` reference (at most MAX_REF characters, no
-    NAME= in front: that names a model's golden folder only)."""
-    match = _FACTORY.fullmatch(text) if len(text) <= MAX_REF else None
-    return match is not None and not match["name"]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from sharding_dump.core.boundary import guard
-from sharding_dump.core.layout import path_text
+from sharding_dump.core.tree import path_text
 from sharding_dump.core.state import ADAMW, default_optimizer
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, load_yaml, validate

@@ -92,7 +92,7 @@ class Project:
     def load_cases(self, paths: Iterable[Path] | None = None) -> list:
         """Every case of the case files (or `paths`), validated, in file order; two files naming the
         same case is BadInput. With no case file configured, BadInput saying how to name one."""
-        from sharding_dump.zoo.case import load_matrix
+        from sharding_dump.zoo.matrix import load_matrix
 
         paths = list(self.cases if paths is None else paths)
         if not paths:

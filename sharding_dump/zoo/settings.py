@@ -29,6 +29,11 @@ from typing import Any, Mapping
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, MAX_DIGITS, load_yaml, validate
 
+# `[NAME=]package.module:function`: a factory in the user's code (a setting of type reference, or a model)
+REFERENCE = re.compile(r"(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)=)?(?P<module>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"
+                       r":(?P<attr>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
+MAX_REF = 200
+
 SETTINGS_FILE = DATA_DIR / "settings.yml"
 
 Value = int | float | bool | str
@@ -187,8 +192,6 @@ def _parse(spec: SettingSpec, raw: Any) -> Value:
     if spec.type == "reference":
         if raw == spec.default:
             return raw
-        from sharding_dump.zoo.model_ref import is_reference
-
         if isinstance(raw, str) and is_reference(raw.strip()):
             return raw.strip()
         raise BadInput(f"{bad}: give package.module:function (a function of your own, importable from the "
@@ -250,3 +253,10 @@ def value_of(values: Mapping[str, Value], key: str) -> Value:
     if spec is None:
         raise KeyError(key)
     return spec.default
+
+
+def is_reference(text: str) -> bool:
+    """True for a well-formed `package.module:function` reference (at most MAX_REF characters, no
+    NAME= in front: that names a model's golden folder only)."""
+    match = REFERENCE.fullmatch(text) if len(text) <= MAX_REF else None
+    return match is not None and not match["name"]

@@ -31,17 +31,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models
-from sharding_dump.core.layout import (
-    PartitionRuleError,
-    TensorLayout,
-    is_box,
-    resolve,
-    typed_layouts,
-    unbox,
-)
+from sharding_dump.core.layout import PartitionRuleError, TensorLayout, resolve, typed_layouts
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
 from sharding_dump.core.specs import entry_axes
+from sharding_dump.core.tree import is_box, unbox
 from sharding_dump.core.state import (
     abstract_key,
     abstract_train_state,

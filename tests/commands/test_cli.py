@@ -7,7 +7,8 @@ import pytest
 
 from helpers import REPO, assert_bad_input, run_cli, tree_bytes
 from sharding_dump.commands.cli import main
-from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.goldens import check_or_update
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from helpers import REPO
-from sharding_dump.zoo.case import load_matrix
+from sharding_dump.zoo.matrix import load_matrix
 
 WORKFLOW = REPO / "examples/ci/sharding-dump-matrix.yml"
 

@@ -68,8 +68,8 @@ def test_maxtext_reference_case_reads_values_with_underscores():
 
 
 def test_layout_page_follows_the_import_rule(monkeypatch):
-    """An edge added to test_layers.py's rule changes the generated Layout page."""
-    layers = generator()["_test_layers"]()
+    """An edge added to the rule of tools/layering.py changes the generated Layout page."""
+    layers = generator()["_layering"]()
     page = generator()["layout_page"]()
     assert "## core: `sharding_dump/core/`\n\nMay import: `base`, `core`.\n" in page
     monkeypatch.setitem(layers.ALLOWED, "core", {"core", "base", "zoo"})
@@ -122,7 +122,8 @@ def test_readme_dump_commands_run(capsys):
     """"Dump a case": its dump is a case of the matrix (so its golden is committed and checked), and
     its `show --tensor` draws that tensor."""
     from sharding_dump.commands import cli
-    from sharding_dump.zoo.case import Case, load_matrix
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.matrix import load_matrix
 
     dump, show = (shlex.split(line) for line in re.search(r"```bash\n(.*?)```", readme_section("Dump a case"),
                                                              re.S).group(1).splitlines())

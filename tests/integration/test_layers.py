@@ -1,110 +1,31 @@
-"""The import rule: every edge between the package's layers points one way, and no module imports a
-private name of another. Read from the source (ast), so an import inside a function counts too.
-
-    base           core        golden                  models         zoo                   commands, plugin
-    (errors,       core        golden, core.format,    models, core   core, golden, models  anything below
-    resources)                 core.specs, core.gc_policy (no jax)
-
-The base (the one-line error and the data-file reader, both without jax) is the floor every layer
-stands on.
+"""The import rule (tools/layering.py holds it): every edge between the package's layers points one
+way, no modules import each other round a cycle, and no module imports a private name of another.
+Read from the source (ast), so an import inside a function counts too.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
+import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from helpers import REPO
 
-PACKAGE = REPO / "sharding_dump"
 
-BASE = {"sharding_dump.errors", "sharding_dump.resources"}
-JAX_FREE_CORE = {"sharding_dump.core.boundary", "sharding_dump.core.format", "sharding_dump.core.gc_policy",
-                 "sharding_dump.core.specs"}
-# layer -> the layers (or single modules) it may import
-ALLOWED = {
-    "base": {"base"},
-    "core": {"core", "base"},
-    "golden": {"golden", "base", *JAX_FREE_CORE},
-    "models": {"models", "core"},  # Flax only: cards and data files are the zoo's
-    "zoo": {"zoo", "core", "golden", "models", "base"},
-    "commands": {"commands", "zoo", "core", "golden", "models", "base"},
-    "plugin": {"commands", "zoo", "golden", "base"},
-    "api": set(),  # sharding_dump/__init__.py exports lazily, by name, and imports nothing of its own
-}
+@functools.cache
+def layering() -> dict:
+    """tools/layering.py loaded in this process (its rule, `findings()` and `violations()`)."""
+    return runpy.run_path(str(REPO / "tools" / "layering.py"), run_name="layering")
+
+
 THIRD_PARTY_JAX = ("jax", "jaxlib", "flax", "optax")
 
 
-def layer_of(module: str) -> str:
-    """`sharding_dump.zoo.case` -> 'zoo'."""
-    if module in BASE:
-        return "base"
-    if module == "sharding_dump":
-        return "api"
-    if module == "sharding_dump.pytest_plugin":
-        return "plugin"
-    return module.split(".")[1]
-
-
-@functools.cache
-def modules() -> dict[str, Path]:
-    found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(REPO).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-def imports_of(module: str, path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
-    """(line, imported module, names taken from it) for every import in the file, relative ones resolved."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name, ()) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names = tuple(alias.name for alias in node.names)
-            known = modules()
-            submodules = [f"{base}.{n}" for n in names if f"{base}.{n}" in known]
-            rest = tuple(n for n in names if f"{base}.{n}" not in known)
-            out += [(node.lineno, base, rest)] * bool(rest or not submodules)
-            out += [(node.lineno, sub, ()) for sub in submodules]
-    return out
-
-
-def target_allowed(source_layer: str, target: str) -> bool:
-    allowed = ALLOWED[source_layer]
-    return layer_of(target) in allowed or target in allowed
-
-
-def violations(package_modules: dict[str, Path], root: Path = REPO) -> list[str]:
-    found = []
-    for module, path in package_modules.items():
-        layer = layer_of(module)
-        for line, target, names in imports_of(module, path):
-            where = f"{path.relative_to(root)}:{line}"
-            if target.startswith("sharding_dump") and target != module:
-                if target == "sharding_dump" or not target_allowed(layer, target):
-                    found.append(f"{where}: {layer} imports {target} ({layer_of(target)})")
-                private = [n for n in names if n.startswith("_") and n != "__version__"]
-                if private:
-                    found.append(f"{where}: imports private {', '.join(private)} from {target}")
-            if target.split(".")[0] in THIRD_PARTY_JAX and (layer in ("base", "golden") or module in JAX_FREE_CORE):
-                found.append(f"{where}: {module} must not import {target}")
-    return found
-
-
-def test_every_import_follows_the_layers():
-    assert violations(modules()) == []
+def test_every_import_follows_the_layers_and_closes_no_cycle():
+    assert layering()["findings"]() == []
 
 
 def test_the_rule_bites(tmp_path):
@@ -117,16 +38,30 @@ def test_the_rule_bites(tmp_path):
         path = tmp_path / (name.replace(".", "_") + ".py")
         path.write_text(text)
         files[name] = path
-    found = violations(files, tmp_path)
+    found = layering()["findings"](files, tmp_path)
     assert any("core imports sharding_dump.zoo.case" in f for f in found), found
     assert any("must not import jax" in f for f in found), found
     assert any("imports private _fsync_dir" in f for f in found), found
     assert any("models imports sharding_dump.zoo.rules" in f for f in found), found
 
 
+def test_a_cycle_is_found(tmp_path):
+    """Two modules importing each other (one inside a function) are one finding naming both edges;
+    an import under `if TYPE_CHECKING:` closes none."""
+    files = {}
+    for name, text in {"sharding_dump.zoo.a": "import sharding_dump.zoo.c\ndef f():\n    import sharding_dump.zoo.b\n",
+                       "sharding_dump.zoo.b": "import sharding_dump.zoo.a\n",
+                       "sharding_dump.zoo.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    import sharding_dump.zoo.a\n"}.items():
+        files[name] = tmp_path / (name.replace(".", "_") + ".py")
+        files[name].write_text(text)
+    found = layering()["findings"](files, tmp_path)
+    assert found == ["import cycle between zoo/a, zoo/b: zoo/a:3 -> zoo/b; zoo/b:1 -> zoo/a"], found
+
+
 @pytest.mark.parametrize("module", ["sharding_dump", "sharding_dump.golden.engine", "sharding_dump.golden.stale",
                                     "sharding_dump.commands.diff", "sharding_dump.pytest_plugin",
-                                    "sharding_dump.zoo.case"])
+                                    "sharding_dump.zoo.case", "sharding_dump.zoo.matrix"])
 def test_jax_free_modules_load_no_jax(module):
     """What runs without a model (the API's import, golden I/O, `diff`, the plugin's import, the case
     names and golden folders its stale check reads) loads no jax."""
@@ -140,6 +75,7 @@ def test_every_import_of_the_package_resolves():
     the package must exist there (a move that forgets one fails here, not in a user's command)."""
     import importlib
 
+    modules, imports_of = layering()["modules"], layering()["imports_of"]
     missing = []
     for module, path in modules().items():
         for line, target, names in imports_of(module, path):

@@ -25,7 +25,8 @@ from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import cards, state
 from sharding_dump.zoo.cards import honoured_fields, load_card, resolve_model
-from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.goldens import check_or_update
 
 # Parameter counts of the published checkpoints, from each model's Hugging Face config

@@ -24,7 +24,8 @@ from sharding_dump.models.config import NUMERICS, ModelConfig
 from sharding_dump.zoo import cards, maxtext_config, settings
 from sharding_dump.zoo import cards as card_registry
 from sharding_dump.zoo.cards import load_card
-from sharding_dump.zoo.case import Case, golden_dir, load_matrix
+from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.matrix import load_matrix
 
 CONFIGS = REPO / "tests" / "data" / "maxtext" / "configs"
 RUN = REPO / "tests" / "data" / "maxtext" / "runs" / "llama2-7b-v5p-16.yml"

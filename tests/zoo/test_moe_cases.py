@@ -6,7 +6,8 @@ import math
 import pytest
 
 from helpers import REPO, committed_golden, sweep_beyond_first
-from sharding_dump.zoo.case import Case, golden_dir, load_matrix
+from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import dump_case
 from sharding_dump.zoo.goldens import check_or_update
 

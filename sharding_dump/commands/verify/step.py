@@ -31,7 +31,7 @@ def build_step(case: Any) -> StepParts:
     """The case's training step from the harness: setup, abstract state, step function, layouts."""
     import jax
 
-    from sharding_dump.core.layout import unbox
+    from sharding_dump.core.tree import unbox
     from sharding_dump.zoo import dump
 
     def untyped(tree: Any) -> Any:  # the compile's in_shardings place them, on the concrete mesh
@@ -48,6 +48,6 @@ def build_step(case: Any) -> StepParts:
 
 def leaf_path(key_path: Sequence[Any]) -> str:
     """A state leaf's path as the goldens write it."""
-    from sharding_dump.core.layout import path_text
+    from sharding_dump.core.tree import path_text
 
     return path_text(key_path)
