@@ -85,3 +85,17 @@ def test_every_import_of_the_package_resolves():
             missing += [f"{path.relative_to(REPO)}:{line}: {target}.{name}" for name in names
                         if not hasattr(imported, name) and f"{target}.{name}" not in modules()]
     assert missing == []
+
+
+def test_a_zoo_dump_loads_only_what_it_uses(tmp_path):
+    """A cold dump of a zoo case that names no MaxText config, asks for no compile and no reference
+    model imports neither OmegaConf, transformers nor the verify machinery (each costs a cold start
+    tenths of a second)."""
+    heavy = ("omegaconf", "transformers", "sharding_dump.commands.verify")
+    code = ("import sys; from sharding_dump.commands.cli import main; "
+            f"status = main(['--model', 'llama2-7b', '--topology', 'v5p-16', '--rule', 'pure-fsdp', '--output-dir', "
+            f"{str(tmp_path)!r}]); assert status == 0, status; "
+            f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
