@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import shutil
 import subprocess
 import sys
 
