@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sharding_dump.zoo.matrix import load_matrix  # noqa: E402
 from sharding_dump.zoo.dump import render_case  # noqa: E402
+from sharding_dump.zoo.matrix import load_matrix  # noqa: E402
 
 # The child reports its own peak RSS (VmHWM of its memory map): ru_maxrss from wait4 would not do,
 # since Linux carries a parent's peak RSS across fork+exec into the child's figure.

@@ -372,8 +372,8 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
     """Every output block (name -> text inside its fence) and count (name -> text) the pages use."""
     from sharding_dump.commands import check, diff, options, pictures, show
     from sharding_dump.zoo.case import Case
-    from sharding_dump.zoo.matrix import load_matrix
     from sharding_dump.zoo.goldens import check_or_update
+    from sharding_dump.zoo.matrix import load_matrix
 
     blocks, counts = {}, {}
     matrix = load_matrix()

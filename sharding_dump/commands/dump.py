@@ -2,19 +2,28 @@
 
 Each case folder is rewritten as a whole when anything in it differs (:mod:`sharding_dump.zoo.goldens`);
 with `--all`, one line per case as it finishes, then the summary line of what changed.
+
+With `-j N` (default: the cores this process may use), `--all` dumps in N worker processes; the cases
+of one model go to one worker, which builds the model's state once for all of them (as one process
+does). The lines come in the cases' order and the goldens are the same bytes for any N.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from sharding_dump.commands import options
-from sharding_dump.errors import one_line
+from sharding_dump.errors import BadInput, one_line
 
 if TYPE_CHECKING:
     from sharding_dump.zoo.case import Case
@@ -25,30 +34,111 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_golden_dir_option(parser, "to write", "--output-dir")
     parser.add_argument("--version", action="store_true",
                         help="print the versions of sharding-dump, jax, jaxlib, flax and optax, and exit")
+    parser.add_argument("-j", "--jobs", type=options.whole_number, default=None, metavar="N",
+                        help="with --all, dump in N worker processes (default: the cores this process may "
+                             "use; the output is the same for any N)")
     options.add_settings_argument(parser)
+
+
+def default_jobs() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Dumped:
+    """What dumping one case did, as its progress line and the summary report it."""
+
+    folder: Path
+    files: tuple[str, ...]
+    removed: tuple[str, ...]
+    kind: str  # created, updated or unchanged
+    seconds: float
+    use_warnings: tuple[str, ...]
+    caught: tuple[warnings.WarningMessage, ...] = ()  # Python warnings a worker process caught, shown here
+
+
+def dump_one(case: Case, golden_dir: Path) -> Dumped:
+    """Writes one case's golden folder (unchanged bytes are not rewritten)."""
+    from sharding_dump.zoo import goldens
+
+    start = time.perf_counter()
+    outcome, kind = goldens.update(case, golden_dir)
+    return Dumped(outcome.folder, tuple(outcome.files), tuple(outcome.removed), kind, time.perf_counter() - start,
+                  tuple(_use_warnings(case, outcome.folder)))
+
+
+def _dump_group(cases: list[Case], golden_dir: Path, limit: float) -> list[Dumped]:
+    """A worker's share: cases of one model, in order, under the parent's time limit; the warnings
+    they raise are handed back to be shown in the cases' order."""
+    from sharding_dump.core.boundary import time_limit
+
+    out = []
+    with time_limit(limit):
+        for case in cases:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("default")
+                dumped = dump_one(case, golden_dir)
+            out.append(dataclasses.replace(dumped, caught=tuple(caught)))
+    return out
+
+
+def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[Dumped]:
+    """Each case dumped, in the cases' order: here, or with `jobs` > 1 in worker processes (spawned:
+    jax does not survive a fork), a model's cases in one worker, the largest groups started first."""
+    if jobs <= 1 or len(cases) <= 1:
+        for case in cases:
+            yield dump_one(case, golden_dir)
+        return
+    from sharding_dump.core.boundary import current_limit
+
+    groups: dict[str, list[int]] = {}
+    for index, case in enumerate(cases):
+        groups.setdefault(case.model, []).append(index)
+    order = sorted(groups.values(), key=len, reverse=True)
+    done: dict[int, Dumped] = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(order)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit()): group
+                   for group in order}
+        try:
+            next_index = 0
+            for future in concurrent.futures.as_completed(futures):
+                done.update(zip(futures[future], future.result()))
+                while next_index in done:
+                    dumped = done.pop(next_index)
+                    for caught in dumped.caught:
+                        warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
+                    yield dumped
+                    next_index += 1
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 def run(args: argparse.Namespace) -> int:
     from sharding_dump.commands.cli import version
     from sharding_dump.golden.engine import check_root, display, summary_line
-    from sharding_dump.zoo import goldens
 
     if args.version:
         print(version())
         return 0
+    if args.jobs is not None and args.jobs < 1:
+        raise BadInput(f"-j {args.jobs}: give the number of worker processes, 1 or more")
+    if args.jobs is not None and not args.all:
+        raise BadInput("-j dumps the cases of --all in parallel: give --all, or drop -j")
     project = options.project_of(args)
     check_root(project.golden_dir)  # before any work: a bad --golden-dir is one line, nothing written
     cases = options.cases_of(args, "dumps", project)
     total = time.perf_counter()
     tally: collections.Counter[str] = collections.Counter()
-    for index, case in enumerate(cases, 1):
-        start = time.perf_counter()
-        outcome, kind = goldens.update(case, project.golden_dir)
-        tally[kind] += 1
-        what = "; ".join([f"wrote {', '.join(outcome.files)}"] * bool(outcome.files) +
-                         [f"removed {', '.join(outcome.removed)}"] * bool(outcome.removed)) or "unchanged"
-        options.progress(index, len(cases), f"{display(outcome.folder)}/: {what}", start)
-        for warning in _use_warnings(case, outcome.folder):
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    for index, (case, dumped) in enumerate(zip(cases, dumped_in_order(cases, project.golden_dir, jobs)), 1):
+        tally[dumped.kind] += 1
+        what = "; ".join([f"wrote {', '.join(dumped.files)}"] * bool(dumped.files) +
+                         [f"removed {', '.join(dumped.removed)}"] * bool(dumped.removed)) or "unchanged"
+        options.progress(index, len(cases), f"{display(dumped.folder)}/: {what}", time.perf_counter() - dumped.seconds)
+        for warning in dumped.use_warnings:
             print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")

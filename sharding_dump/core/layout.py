@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn

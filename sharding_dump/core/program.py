@@ -46,8 +46,8 @@ from jax.sharding import PartitionSpec
 
 from sharding_dump.core import state as core_state
 from sharding_dump.core.boundary import UserCodeError, guard
-from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_batch
+from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.errors import shown
 
 SIZES = ("batch", "length")  # the symbolic sizes an Input's shape may name

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import optax
 
 from sharding_dump.core.layout import leaves, path_rules_of, place_by_path
-from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import Slot, optimizer_state
 from sharding_dump.core.placement import AXES_COLLECTION, box_params_axes
+from sharding_dump.core.tree import is_box, path_text, unbox
 
 INIT_TOKENS = (1, 8)  # parameter shapes do not depend on the batch used to initialise
 ApplyFn = Callable[[Any, dict[str, Any], dict[str, jax.Array]], Any]  # (raw params, batch, rng keys) -> output

@@ -18,8 +18,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from sharding_dump.core.capture import constrain, constrain_spec
-from sharding_dump.core.tree import unbox
 from sharding_dump.core.state import ApplyFn
+from sharding_dump.core.tree import unbox
 
 BATCH_FIELDS = ("inputs", "inputs_position", "targets")
 Step = Callable[[Any, dict[str, jax.Array]], tuple[Any, Any]]

@@ -20,7 +20,6 @@ import hashlib
 from pathlib import Path
 from typing import Any, Mapping
 
-from sharding_dump.errors import BadInput
 from sharding_dump.zoo import rules, settings, topology
 from sharding_dump.zoo.model_ref import ModelRef, parse_model_ref
 

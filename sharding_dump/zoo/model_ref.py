@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import re
 import sys
 from typing import Any, Callable
 
@@ -35,7 +34,6 @@ from sharding_dump.core.boundary import guard
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.zoo.cards import card_files, resolve_model
 from sharding_dump.zoo.settings import MAX_REF, REFERENCE
-
 
 
 @dataclasses.dataclass(frozen=True)

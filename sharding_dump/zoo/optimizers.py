@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import optax
 
 from sharding_dump.core.boundary import guard
-from sharding_dump.core.tree import path_text
 from sharding_dump.core.state import ADAMW, default_optimizer
+from sharding_dump.core.tree import path_text
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo.model_ref import load_reference

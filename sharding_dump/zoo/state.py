@@ -35,13 +35,13 @@ from sharding_dump.core.layout import PartitionRuleError, TensorLayout, resolve,
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
 from sharding_dump.core.specs import entry_axes
-from sharding_dump.core.tree import is_box, unbox
 from sharding_dump.core.state import (
     abstract_key,
     abstract_train_state,
     as_model,
     default_optimizer,
 )
+from sharding_dump.core.tree import is_box, unbox
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig
 from sharding_dump.zoo import cards, rules

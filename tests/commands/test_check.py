@@ -10,8 +10,8 @@ from sharding_dump.commands.cli import main
 from sharding_dump.core.specs import entry_axes
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import case_layouts, setup_case
+from sharding_dump.zoo.matrix import load_matrix
 
 DEFAULT = REPO / "sharding_dump/rules/default.yml"
 

@@ -8,8 +8,8 @@ import pytest
 from helpers import REPO, assert_bad_input, run_cli, tree_bytes
 from sharding_dump.commands.cli import main
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.goldens import check_or_update
+from sharding_dump.zoo.matrix import load_matrix
 
 
 def test_dump_one_case(tmp_path, capsys):
@@ -169,3 +169,22 @@ def test_help_lists_every_command_on_one_line(capsys):
     assert all(len(line.split()) > 3 for line in listed)
     assert main(["dump", "--model", "qwen3-0.6b", "--topology", "cpu-8", "--rule", "nope"]) == 2
     assert "unknown rule 'nope'" in capsys.readouterr().err
+
+
+def test_all_in_worker_processes_writes_the_committed_bytes_in_the_cases_order(tmp_path):
+    """`--all -j 2`: three cases of two models in two spawned workers (one per model) write the bytes
+    the committed goldens hold, and the progress lines keep the case file's order."""
+    cases = tmp_path / "cases.yml"
+    cases.write_text("cases:\n"
+                     "  - {model: qwen3-0.6b, topology: tpu7x-16, rule: default}\n"
+                     "  - {model: llama2-7b, topology: v5p-16, rule: pure-fsdp}\n"
+                     "  - {model: llama2-7b, topology: v5p-16, rule: default}\n")
+    out = run_cli("--all", "--cases", str(cases), "--output-dir", str(tmp_path / "out"), "-j", "2")
+    assert out.returncode == 0, out.stderr
+    folders = ["qwen3-0.6b/tpu7x-16/slice_1/rule_default", "llama2-7b/v5p-16/slice_1/rule_pure-fsdp",
+               "llama2-7b/v5p-16/slice_1/rule_default"]
+    lines = out.stdout.splitlines()
+    assert [line.split("] ", 1)[1].split("/: ", 1)[0].split("/out/", 1)[1] for line in lines[:3]] == folders, lines
+    written = tree_bytes(tmp_path / "out")
+    assert written and written == {path: data for path, data in tree_bytes(REPO / "golden").items()
+                                   if path.rsplit("/", 1)[0] in folders}

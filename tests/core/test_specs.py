@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 
 from helpers import committed_golden
-from sharding_dump.core.tree import is_box, path_text
 from sharding_dump.core.specs import leaf_path
+from sharding_dump.core.tree import is_box, path_text
 from sharding_dump.zoo import state
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import setup_case
+from sharding_dump.zoo.matrix import load_matrix
 
 
 def test_jax_key_text_of_our_state_reads_as_our_golden_paths():

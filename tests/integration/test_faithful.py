@@ -13,8 +13,8 @@ from sharding_dump.core.layout import leaves
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import cards, state
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import dump_case, setup_case
+from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.rules import load_rule
 from sharding_dump.zoo.topology import load_topology, topology_names
 

@@ -15,8 +15,8 @@ from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig, stage_as_data
 from sharding_dump.zoo import cards, state
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import setup_case, trace_case
+from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.pipeline_plan import check_batch
 
 MATRIX = load_matrix()

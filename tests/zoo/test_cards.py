@@ -26,8 +26,8 @@ from sharding_dump.errors import BadInput
 from sharding_dump.zoo import cards, state
 from sharding_dump.zoo.cards import honoured_fields, load_card, resolve_model
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.goldens import check_or_update
+from sharding_dump.zoo.matrix import load_matrix
 
 # Parameter counts of the published checkpoints, from each model's Hugging Face config
 # (meta-llama/Llama-3.1-*, mistralai/Mixtral-*-v0.1, Qwen/Qwen3-*, google/gemma-*). A card follows

@@ -7,9 +7,9 @@ import pytest
 
 from helpers import REPO, committed_golden, sweep_beyond_first
 from sharding_dump.zoo.case import Case, golden_dir
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import dump_case
 from sharding_dump.zoo.goldens import check_or_update
+from sharding_dump.zoo.matrix import load_matrix
 
 MOE_MODELS = ("deepseek2-16b", "deepseek3-671b", "gpt-oss-20b")
 

@@ -9,8 +9,8 @@ from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import check_document
 from sharding_dump.zoo import state
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.dump import case_layouts, header
+from sharding_dump.zoo.matrix import load_matrix
 
 MATRIX = load_matrix()
 SETUPS = matrix_setups()
