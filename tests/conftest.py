@@ -33,6 +33,27 @@ def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
     gc.freeze()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """`pytest -n N` schedules by group (xdist's loadgroup) rather than test by test, so that the tests
+    of one case (below) run in one worker, which traces the case's step once for all of them."""
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test of one case of the matrix (its golden test, and any test parametrized by the Case)
+    joins the case's xdist group (before xdist reads the groups)."""
+    from sharding_dump.zoo.case import Case
+
+    for item in items:
+        case = getattr(item, "case", None)
+        if case is None and hasattr(item, "callspec"):
+            case = next((value for value in item.callspec.params.values() if isinstance(value, Case)), None)
+        if isinstance(case, Case):
+            item.add_marker(pytest.mark.xdist_group(case.label))
+
+
 @pytest.fixture(autouse=True)
 def _in_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts in the checkout, wherever pytest was started (`cd /tmp && pytest CHECKOUT`):

@@ -6,12 +6,21 @@
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
     python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, -m package, the docs site): wall time
+    python tools/bench.py --table    # the speed table: each figure beside its floor and goal, paired in one run
+    python tools/bench.py --table --no-suite   # the same without the test suite (minutes less)
 
 Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case, beside the time of
 importing jax, flax.linen and optax alone (what any cold figure includes, which varies by machine);
 peak RSS from wait4. Warm = render_case() again in this process after one run of each case; peak is
 this process's max RSS growth. Figures are printed, never asserted.
+
+--table: the four figures of the speed table, each beside its floor, in one run: a cold dump of
+llama2-7b v5p-16 pure-fsdp against `import jax, flax.linen, optax` (runs alternate, medians); `--all`
+with the default parallelism against the sum of its unique traces (each distinct training step traced
+once, in this process, divided by the cores); `diff golden golden` against starting Python; the default
+suite with -n 2. Wall and CPU seconds (user + system, children included): on a shared machine the CPU
+figure is what a quiet one's wall time would be.
 
 --verify: per case, `sharding-dump verify` in a new process; the CPU seconds (user + system) and peak
 RSS of the child that compiles the step, as its first output line reports them, and the wall time.
@@ -51,14 +60,87 @@ runpy.run_module("sharding_dump.commands.cli", run_name="__main__")
 
 def run_child(args: list[str], ok_exits: tuple[int, ...] = (0,)) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one CLI process; an exit status outside `ok_exits` stops the run."""
+    wall, _, peak = timed([sys.executable, "-c", _CHILD, *args], ok_exits)
+    return wall, peak
+
+
+def timed(command: list[str], ok_exits: tuple[int, ...] = (0,)) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds of the process and its children, peak RSS MiB when it is a CLI child
+    reporting it, else 0) of one process; an exit status outside `ok_exits` stops the run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *args], cwd=REPO, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode not in ok_exits:
-        raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(args)}: {proc.stderr}")
+        raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(command[3:] or command)}: {proc.stderr}")
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     peak = [line for line in proc.stderr.splitlines() if line.startswith("bench-peak-kib ")]
-    return wall, int(peak[-1].split()[1]) / 1024
+    return wall, cpu, int(peak[-1].split()[1]) / 1024 if peak else 0.0
+
+
+def cli(*args: str) -> list[str]:
+    """The command line of one CLI child (reporting its peak RSS)."""
+    return [sys.executable, "-c", _CHILD, *args]
+
+
+def unique_traces(cases: list) -> tuple[int, float]:
+    """(distinct training steps, seconds to trace each once): what `--all` cannot do in less time on
+    one core. Each case's setup and abstract state are built first and not counted."""
+    import jax
+
+    from sharding_dump.zoo.dump import abstract_state_of, setup_case, trace_case
+
+    seconds: dict[tuple, float] = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for case in cases:
+            setup = setup_case(case)
+            if setup.step_inputs() in seconds:
+                continue
+            abstract_state_of(setup)
+            start = time.perf_counter()
+            trace_case(setup)
+            seconds[setup.step_inputs()] = time.perf_counter() - start
+    return len(seconds), sum(seconds.values())
+
+
+def bench_table(cases: list, suite: bool, repeat: int) -> None:
+    """The speed table: each figure beside its floor and its goal, paired in this one run."""
+    from sharding_dump.commands.dump import default_jobs
+
+    jobs = default_jobs()
+    print(f"{len(cases)} cases, {jobs} cores usable, python {sys.version.split()[0]}, load average "
+          f"{os.getloadavg()[0]:.1f} (wall seconds; CPU seconds in brackets)", flush=True)
+    row = "{:<54} {:>17} {:>26} {:>8} {:>10}"
+    print(row.format("figure", "measured", "floor", "ratio", "goal"))
+
+    def pair(figure: tuple[float, float], floor: tuple[float, float]) -> str:
+        return f"{figure[0] / floor[0]:.2f}x [{figure[1] / floor[1]:.2f}x]"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dumps, floors = [], []
+        for _ in range(repeat):  # alternating, so both see the same load
+            floors.append(timed([sys.executable, "-c", "import jax, flax.linen, optax"])[:2])
+            dumps.append(timed(cli("--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp",
+                                   "--golden-dir", tmp))[:2])
+        dump = tuple(statistics.median(d[i] for d in dumps) for i in (0, 1))
+        floor = tuple(statistics.median(f[i] for f in floors) for i in (0, 1))
+        print(row.format("cold dump, llama2-7b v5p-16 pure-fsdp", f"{dump[0]:.2f} [{dump[1]:.2f}]",
+                         f"{floor[0]:.2f} [{floor[1]:.2f}] import jax+flax+optax", pair(dump, floor), "<= 1.3x"),
+              flush=True)
+        count, traces = unique_traces(cases)
+        wall, cpu, _ = timed(cli("--all", "--golden-dir", tmp))
+        per_case = f"{wall / len(cases):.2f}/case"
+        print(row.format(f"sharding-dump --all (-j {jobs}), {per_case}", f"{wall:.1f} [{cpu:.1f}]",
+                         f"{traces / jobs:.1f} {count} traces/{jobs} cores", f"{wall / (traces / jobs):.2f}x",
+                         f"{0.2 * len(cases):.1f} s"), flush=True)
+    diff = timed(cli("diff", "golden", "golden"), ok_exits=(0, 1))[:2]
+    start = timed([sys.executable, "-c", "pass"])[:2]
+    print(row.format("sharding-dump diff golden golden", f"{diff[0]:.2f} [{diff[1]:.2f}]",
+                     f"{start[0]:.2f} [{start[1]:.2f}] python -c pass", pair(diff, start), "0.5 s"), flush=True)
+    if suite:
+        wall, cpu, _ = timed([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"], (0, 1))
+        print(row.format("default suite, pytest -n 2", f"{wall:.1f} [{cpu:.1f}]", "", "", "60 s"), flush=True)
 
 
 def case_args(case) -> list[str]:
@@ -133,9 +215,14 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="benchmark `sharding-dump verify` per case instead")
     parser.add_argument("--suite", action="store_true", help="time the test suite (pytest -n WORKERS) instead")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for --suite (default 2)")
+    parser.add_argument("--table", action="store_true", help="the speed table: each figure beside its floor")
+    parser.add_argument("--no-suite", action="store_true", help="with --table, leave the test suite out")
     args = parser.parse_args()
     if args.suite:
         bench_suite(args.workers)
+        return
+    if args.table:
+        bench_table(load_matrix(), not args.no_suite, args.repeat)
         return
     unknown = sorted(set(args.model) - {c.model for c in load_matrix()})
     if unknown:
