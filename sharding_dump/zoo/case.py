@@ -41,8 +41,17 @@ class Case:
 
     @classmethod
     def make(cls, model: str, topology_name: str, rule: str, num_slices: int = 1,
-             overrides: Mapping[str, Any] | None = None) -> "Case":
-        """Validates every field (BadInput on the first bad one) and canonicalises the overrides."""
+             overrides: Mapping[str, Any] | None = None, project: bool = True) -> "Case":
+        """Validates every field (BadInput on the first bad one) and canonicalises the overrides. A
+        model or rule name is resolved as the CLI resolves it (`project`, the default): through the
+        `models`, `rule-dirs` and `card-dirs` of the [tool.sharding-dump] table around the working
+        directory (:meth:`sharding_dump.zoo.project.Project.resolve`), so a test's
+        `Case.make("tiny", "cpu-8", "tp")` is the case `sharding-dump --model tiny ... --rule tp` dumps."""
+        if project:
+            from sharding_dump.zoo.project import load_project
+
+            table = load_project()
+            model, rule = table.resolve("model", model), table.resolve("rule", rule)
         parse_model_ref(model)
         topology.load_topology(topology_name, num_slices)
         rules.rule_path(rule)
@@ -148,7 +157,7 @@ def load_matrix(path: str | Path = CASES_FILE, resolve: Callable[[str, str], str
                         ref = str((path.parent / ref).resolve())
                     refs[field] = resolve(field, ref) if resolve is not None else ref
                 case = Case.make(refs["model"], entry["topology"], refs["rule"],
-                                 entry.get("num_slices", 1), entry.get("overrides"))
+                                 entry.get("num_slices", 1), entry.get("overrides"), project=False)
         except BadInput as err:
             raise BadInput(f"case matrix {path}: field cases/{index}: {err}") from None
         if case.label in seen:
