@@ -408,7 +408,56 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
     (shown,) = options.cases_of(parsed, "shows", options.project_of(parsed))
     blocks["show-tensor"] = show.render_tensor_grid(shown, tensor).rstrip("\n")
     blocks["show-tensor-command"] = "sharding-dump show " + " ".join(args) + f" --tensor {tensor}"
+    blocks["fixture-api"] = fixture_api()
     return blocks, counts
+
+
+class _Options:
+    """Stands for pytest's parser when the plugin's `pytest_addoption` is read: each option and ini
+    option with its help."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str]] = []
+
+    def getgroup(self, name: str) -> "_Options":
+        return self
+
+    def addoption(self, *names: str, **kwargs: object) -> None:
+        metavar = f" {kwargs['metavar']}" if kwargs.get("metavar") else ""
+        self.rows.append((", ".join(names) + metavar, str(kwargs.get("help", ""))))
+
+    def addini(self, name: str, **kwargs: object) -> None:
+        self.rows.append((f"ini option {name}", str(kwargs.get("help", ""))))
+
+
+def fixture_api() -> str:
+    """The `sharding_golden` fixture's methods and `Case.make`, each with its signature and docstring,
+    then the plugin's command-line and ini options with their help: read from the code."""
+    import inspect
+    import textwrap
+
+    from sharding_dump import pytest_plugin
+    from sharding_dump.zoo.case import Case
+
+    def indented(text: str) -> str:
+        return textwrap.fill(text, 100, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)
+
+    def entry(name: str, function: Callable, skip_first: bool) -> str:
+        signature = inspect.signature(function)
+        params = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+        shown = signature.replace(parameters=params[1:] if skip_first else params,
+                                  return_annotation=inspect.Signature.empty)
+        doc = " ".join(inspect.getdoc(function).split())
+        return f"{name}{shown}\n" + indented(doc)
+
+    parts = [entry("Case.make", Case.make, False),
+             entry("sharding_golden.check", pytest_plugin.GoldenChecker.check, True),
+             entry("sharding_golden.check_stale", pytest_plugin.GoldenChecker.check_stale, True)]
+    options = _Options()
+    pytest_plugin.pytest_addoption(options)  # type: ignore[arg-type]
+    for name, help_text in options.rows:
+        parts.append(f"{name}\n" + indented(" ".join(help_text.split())))
+    return "\n\n".join(parts)
 
 
 def _card_refusal(work: Path) -> str:
