@@ -291,7 +291,7 @@ def message(err: BaseException) -> str:
         text = text[:limit - 3].rstrip() + "..."
     told = f"{type(err).__name__}: {text}" if text else type(err).__name__
     cause = err.__cause__
-    if cause is not None:
+    if cause is not None and type(cause).__name__ != "UnfilteredStackTrace":  # jax's copy of the same error
         told += f" (from {first_line(cause)})"
     return told
 

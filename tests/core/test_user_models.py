@@ -271,8 +271,29 @@ class ThreeAxes(nn.Module):
         return embed.attend(x.reshape(x.shape[:-2] + (16,)))
 
 
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        if self.name == "block_1":
+            raise NotImplementedError("no second block")
+        return x
+
+
+class Stacked(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = table()(tokens)
+        for i in range(2):
+            x = Block(name=f"block_{i}")(x)
+        return x
+
+
 def raises():
     return Raises()
+
+
+def stacked():
+    return Stacked()
 
 
 def three_axes():
@@ -330,3 +351,11 @@ def test_a_module_whose_own_import_fails_names_the_line_of_that_import(failing_m
     assert capsys.readouterr().err == (
         "sharding-dump: error: importing needs_dialog (for model needs_dialog:make) failed with ModuleNotFoundError: "
         "No module named 'dialog_not_installed' at needs_dialog.py:2 in <module>\n")
+
+
+def test_a_raise_inside_a_submodule_names_the_module(failing_models, capsys):
+    """The same line of code runs in two blocks: the line names the linen module that raised."""
+    assert cli.main(["--model", "failing_lm:stacked", *FAILING_ARGS]) == 2
+    assert capsys.readouterr().err == (
+        "sharding-dump: error: the model call failed with NotImplementedError: no second block at failing_lm.py:33 "
+        "in Block.__call__, in module block_1 (Block) (the harness passed Stacked(int32[1,8]))\n")
