@@ -359,3 +359,18 @@ def test_a_raise_inside_a_submodule_names_the_module(failing_models, capsys):
     assert capsys.readouterr().err == (
         "sharding-dump: error: the model call failed with NotImplementedError: no second block at failing_lm.py:33 "
         "in Block.__call__, in module block_1 (Block) (the harness passed Stacked(int32[1,8]))\n")
+
+
+def test_the_python_api_keeps_the_traceback_behind_its_one_line(failing_models):
+    """sd.dump_model on the failing model: a BadInput of one line, what the model raised its __cause__,
+    and sd.traceback_text(err) the whole traceback (empty for bad input to the harness itself)."""
+    from failing_lm import Raises
+
+    mesh = AbstractMesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+    with pytest.raises(sd.BadInput) as caught:
+        sd.dump_model(Raises(), mesh, sd.Rules((("batch", "fsdp"),)), batch_shape=(4, 8))
+    assert "\n" not in str(caught.value) and "at failing_lm.py:9 in check_width" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ValueError)
+    text = sd.traceback_text(caught.value)
+    assert text.startswith("Traceback (most recent call last):") and 'raise ValueError("width must be even:' in text
+    assert sd.traceback_text(sd.BadInput("rule file x.yml: field mesh_axes: give a list")) == ""
