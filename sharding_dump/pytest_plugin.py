@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
 USED_KEY = "sharding_dump_used"  # (key, case folder): a golden check used that folder
-DEFERRED_KEY = "sharding_dump_stale_check"  # (key, (root, case folders)): a stale check left to the run's end
+DEFERRED_KEY = "sharding_dump_stale_check"  # (key, (root, case folders, left out)): a stale check left to the end
+FIXTURE = "sharding_golden"
 REPLACED = "replaced "  # a kind that names a golden path an update replaced without reading it
 
 
@@ -251,13 +252,15 @@ class GoldenChecker:
         run uses; under --sharding-update removes them and returns what it removed. When another test
         of the run checks goldens with the `sharding_golden` fixture (or under --sharding-warn-unused),
         the verdict is the run's: given at its end, from every golden folder its tests used (under
-        pytest-xdist too), as a failing exit status, a warning, or the deletion."""
+        pytest-xdist too), as a failing exit status, a warning, or the deletion; left open, with a
+        warning, when a test using the fixture was deselected or the run stopped early."""
         from sharding_dump.golden import stale
         from sharding_dump.zoo.case import golden_dir
 
         folders = [golden_dir(case, self.root) for case in cases]
         if self.item is not None and (self.config.getoption("--sharding-warn-unused") or self._fixture_tests()):
-            self.item.user_properties.append((DEFERRED_KEY, (str(self.root), [str(f) for f in folders])))
+            left_out = getattr(self.config, "_sharding_dump_deselected", 0)
+            self.item.user_properties.append((DEFERRED_KEY, (str(self.root), [str(f) for f in folders], left_out)))
             return []
         paths = stale.stale_paths(self.root, folders)
         if paths and not self.update:
@@ -268,10 +271,19 @@ class GoldenChecker:
 
 
     def _fixture_tests(self) -> bool:
-        """True when a test of this run other than this one checks goldens with the fixture: the
-        goldens it writes are known only once it has run."""
-        return any(item is not self.item and "sharding_golden" in getattr(item, "fixturenames", ())
-                   for item in self.item.session.items)
+        """True when a test of this run other than this one checks goldens with the fixture (or one
+        was deselected): the goldens it writes are known only once it has run."""
+        return getattr(self.config, "_sharding_dump_deselected", 0) > 0 or any(
+            item is not self.item and FIXTURE in getattr(item, "fixturenames", ()) for item in self.item.session.items)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Counts the deselected tests that use the fixture (-k, -m, --deselect, pytest-split's groups):
+    the goldens they would have used are unknown, so the run's stale verdict is left undecided."""
+    if items:
+        config = items[0].config
+        left_out = sum(FIXTURE in getattr(item, "fixturenames", ()) for item in items)
+        config._sharding_dump_deselected = getattr(config, "_sharding_dump_deselected", 0) + left_out  # type: ignore[attr-defined]
 
 
 def fail(config: pytest.Config | None, line: str, err: BaseException) -> None:
@@ -310,7 +322,8 @@ class _Tally:
         self.used: set[str] = set()  # every golden case folder a check of this run used
         self.deferred: dict[str, set[str]] = {}  # golden root -> case folders of the stale checks left to the end
         self.stale: list[Path] = []
-        self.kept = 0  # stale paths --sharding-update did not delete: a test failed
+        self.kept = ""  # why --sharding-update did not delete the stale paths (a test failed, or did not run)
+        self.left_out = 0  # tests using the fixture that the run deselected
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
@@ -322,8 +335,9 @@ class _Tally:
             elif key == USED_KEY:
                 self.used.add(value)
             elif key == DEFERRED_KEY:
-                root, folders = value
+                root, folders, left_out = value
                 self.deferred.setdefault(root, set()).update(folders)
+                self.left_out = max(self.left_out, left_out)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -335,10 +349,15 @@ class _Tally:
         for root, folders in sorted(self.deferred.items()):
             inside = [Path(f) for f in sorted(folders | self.used) if Path(f).is_relative_to(root)]
             self.stale += stale.stale_paths(root, inside)
+        undecided = ""  # tests that did not run may use them: the verdict is left open, said as a warning
+        if self.left_out:
+            undecided = f"{self.left_out} test(s) using the {FIXTURE} fixture were deselected"
+        elif session.shouldstop or session.shouldfail:
+            undecided = "the run stopped before every test ran"
+        if self.stale and (undecided or (session.config.getoption("--sharding-update") and session.testsfailed)):
+            self.kept = undecided or "a test failed, so the goldens it uses are not known"
+            return
         if session.config.getoption("--sharding-update"):
-            if session.testsfailed:  # a test that failed may not have said which goldens it uses
-                self.kept, self.stale = len(self.stale), []
-                return
             stale.remove(self.stale)
             self.counts["deleted"] += len(self.stale)
             self.stale = []
@@ -347,15 +366,15 @@ class _Tally:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
-        if self.stale:
+        if self.kept:  # stale paths left undecided, or not deleted
+            terminalreporter.write_line(f"sharding-dump: warning: {len(self.stale)} golden path(s) no test of this run "
+                                        f"used, left alone: {self.kept}", yellow=True, bold=True)
+        elif self.stale:
             from sharding_dump.golden import stale
 
             warn = config.getoption("--sharding-warn-unused")
             terminalreporter.write_line(f"sharding-dump: {'warning' if warn else 'error'}: {stale.report(self.stale)}",
                                         yellow=warn, red=not warn, bold=True)
-        if self.kept:
-            terminalreporter.write_line(f"sharding-dump: warning: {self.kept} stale golden path(s) not deleted: a test "
-                                        "failed, so the goldens it uses are not known", yellow=True, bold=True)
         if config.getoption("--sharding-update") and sum(self.counts.values()):
             from sharding_dump.golden.engine import summary_line
 

@@ -252,6 +252,12 @@ def test_the_fixture_and_the_matrix_share_one_golden_world(project: pytest.Pytes
     again = run(project, "--sharding-update")
     again.stdout.fnmatch_lines(["sharding-dump goldens: 0 updated, 0 created, 3 unchanged, 0 deleted"])
     assert mine.is_file() and run(project).ret == pytest.ExitCode.OK
+    # -k leaves the fixture test out: its golden is not judged (nor deleted) by a run that did not ask it
+    partial = run(project, "--sharding-update", "-k", "not test_mine")
+    partial.assert_outcomes(passed=3, deselected=1)
+    assert partial.ret == pytest.ExitCode.OK and mine.is_file()
+    partial.stdout.fnmatch_lines(["sharding-dump: warning: 1 golden path(s) no test of this run used, left alone: 1 "
+                                  "test(s) using the sharding_golden fixture were deselected"])
 
     (project.path / "tests/test_mine.py").write_text("def test_other(sharding_golden):\n    pass\n")
     for args in ((), ("-n", "2")):
