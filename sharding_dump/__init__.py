@@ -17,7 +17,9 @@ Pieces, for your own step or state:
 * :func:`record_activations`, :func:`constrain`: activation constraints met while tracing;
 * :func:`golden_documents`, :func:`check_or_update_folder`: golden JSON and the check-or-update engine;
 * :class:`Case` and :func:`load_matrix`: a case of the built-in zoo (or of your factory) for the
-  `sharding_golden` pytest fixture.
+  `sharding_golden` pytest fixture;
+* :class:`BadInput` (one line; when the user's code failed, what it raised is its `__cause__`) and
+  :func:`traceback_text`, that failure's whole traceback.
 
 Everything else (the zoo's settings, meshes, rules, the commands) is internal: see the docs' Layout page (docs/maintainers/layout.md).
 """
@@ -57,6 +59,7 @@ _EXPORTS = {
     "check_or_update_folder": "sharding_dump.golden.engine",
     "Outcome": "sharding_dump.golden.engine",
     "BadInput": "sharding_dump.errors",
+    "traceback_text": "sharding_dump.errors",
     "Case": "sharding_dump.zoo.case",
     "load_matrix": "sharding_dump.zoo.matrix",
 }

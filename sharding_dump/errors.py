@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import traceback
 from typing import Any
 
 SHOWN_CHARS = 80  # an echoed user value longer than this is cut
@@ -60,3 +61,27 @@ def _errno_name(number: int) -> str:
     import errno
 
     return errno.errorcode.get(number, str(number))
+
+
+def cause_of(err: BaseException) -> BaseException | None:
+    """The exception of the user's code behind a BadInput (through the BadInputs that re-tell it):
+    what `--traceback` and `pytest --tb=long` show; None when the error is the harness's own."""
+    seen = set()
+    cause = err.__cause__
+    while isinstance(cause, BadInput) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return cause
+
+
+class TracebackText(Exception):
+    """The traceback of the user's code as text, from another process (verify's compiling process):
+    chained to the BadInput that tells it, it is what :func:`traceback_text` gives."""
+
+
+def traceback_text(err: BaseException) -> str:
+    """The whole traceback of the user's code behind `err` (empty when there is none)."""
+    cause = cause_of(err)
+    if isinstance(cause, TracebackText):
+        return str(cause)
+    return "".join(traceback.format_exception(cause)) if cause is not None else ""

@@ -2,13 +2,15 @@
 
 With `[tool.sharding-dump]` in the project's pyproject.toml (see :mod:`sharding_dump.zoo.project`) naming
 case files, `pytest` collects one test per case of them from that pyproject.toml, with no test code:
-the dump must equal its golden, byte for byte; plus one test that fails naming every golden path no
-case produces. `--sharding-update` rewrites what differs, creates what is missing, deletes the stale
-paths, and prints how many goldens it updated, created, left unchanged and deleted (under
-pytest-xdist too). The ini options `sharding_dump_cases` and `sharding_dump_golden_dir` override the
-table.
+the dump must equal its golden, byte for byte; plus one test for stale goldens. `--sharding-update`
+rewrites what differs, creates what is missing, deletes the stale paths, and prints how many goldens
+it updated, created, left unchanged and deleted (under pytest-xdist too). The ini options
+`sharding_dump_cases` and `sharding_dump_golden_dir` override the table.
 
 The `sharding_golden` fixture does the same for hand-written tests::
+
+    def test_mine(sharding_golden):
+        sharding_golden.check(Case.make("tiny", "cpu-8", "tp"))  # names resolved as the CLI resolves them
 
     @pytest.mark.parametrize("case", load_matrix("cases.yml"), ids=lambda c: c.label)
     def test_golden(case, sharding_golden):
@@ -17,8 +19,16 @@ The `sharding_golden` fixture does the same for hand-written tests::
     def test_no_stale_goldens(sharding_golden):
         sharding_golden.check_stale(load_matrix("cases.yml"))
 
-A missing golden is a failure, never a skip. Importing this module imports no JAX and changes no
-environment variable: everything heavy is imported when a golden is checked.
+One golden world: a golden folder that any check of the run used (a case of the case files, a
+fixture test's case) is used; stale means used by no test. When the run holds fixture tests beside
+the stale check, the stale verdict waits for the end of the run, when every test has said which
+goldens it used: then it fails the run (exit status 1), is a warning under `--sharding-warn-unused`
+(syrupy's `--snapshot-warn-unused`), or, under `--sharding-update` with no failed test, deletes them.
+
+A missing golden is a failure, never a skip. A failure in the user's code is its one line (file and
+line of the raise); `--tb=long` or `--tb=native` adds its whole traceback. Importing this module
+imports no JAX and changes no environment variable: everything heavy is imported when a golden is
+checked.
 
 `--sharding-verify` (off by default) also compiles every checked case's training step on fake CPU
 devices (`sharding-dump verify`) and fails the case on any verify failure.
@@ -38,6 +48,9 @@ if TYPE_CHECKING:
     from sharding_dump.zoo.project import Project
 
 SUMMARY_KEY = "sharding_dump_goldens"  # user_properties entry: (key, (kind, count))
+USED_KEY = "sharding_dump_used"  # (key, case folder): a golden check used that folder
+DEFERRED_KEY = "sharding_dump_stale_check"  # (key, (root, case folders, left out)): a stale check left to the end
+FIXTURE = "sharding_golden"
 REPLACED = "replaced "  # a kind that names a golden path an update replaced without reading it
 
 
@@ -49,6 +62,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--sharding-verify", action="store_true", default=False,
                     help="also compile each checked case's training step on fake CPU devices (sharding-dump "
                          "verify): fail on remats, large replicated values or compiled shardings unlike the golden")
+    group.addoption("--sharding-warn-unused", action="store_true", default=False,
+                    help="golden paths no test of the run used (stale) are a warning at the end of the run, not a "
+                         "failure (pytest --sharding-update deletes them)")
     from sharding_dump.commands.options import TIME_LIMIT_HELP, seconds
 
     group.addoption("--sharding-time-limit", type=seconds, default=None, metavar="SECONDS",
@@ -143,7 +159,7 @@ class CaseItem(pytest.Item):
         try:
             checker_for(self.config, self).check(self.case)
         except BadInput as err:  # a rule or card file of the case: one line, as the CLI says it
-            pytest.fail(f"sharding-dump: error: {err}", pytrace=False)
+            fail(self.config, str(err), err)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, pytest.fail.Exception):
@@ -179,6 +195,7 @@ class GoldenChecker:
         self.root = root
         self.update = update
         self.item = item
+        self.config = item.config if item is not None else None
         self.verify = verify
         self.time_limit = time_limit  # seconds per call into the user's code and per compile (None: default)
 
@@ -188,8 +205,13 @@ class GoldenChecker:
 
     def check(self, case: "Case") -> "Outcome":
         """Fails the test (one line, or the diff) unless the case's dump equals its golden; every call
-        into the user's code it makes is bounded by the time limit."""
+        into the user's code it makes is bounded by the time limit. The case's golden folder counts as
+        used by a test of this run (never stale), whatever the outcome."""
         from sharding_dump.commands.options import time_limit_of
+        from sharding_dump.zoo.case import golden_dir
+
+        if self.item is not None:
+            self.item.user_properties.append((USED_KEY, str(golden_dir(case, self.root))))
 
         with time_limit_of(self.time_limit, project=False):  # the project's limit is in self.time_limit
             return self._check(case)
@@ -208,8 +230,8 @@ class GoldenChecker:
                     self._note(f"{REPLACED}{display(outcome.folder)}/{what}")
                 return outcome
             outcome = goldens.check_or_update(case, self.root, update=False)
-        except BadInput as err:  # a damaged golden tree: one line, like the CLI
-            pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
+        except BadInput as err:  # a damaged golden tree, the user's code failing: one line, like the CLI
+            fail(self.config, f"{case.label}: {one_line(str(err))}", err)
         if not outcome.ok:
             pytest.fail(outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
@@ -220,23 +242,60 @@ class GoldenChecker:
             try:
                 result = verify_case(case, Options(default_threshold(), self.root))
             except BadInput as err:  # the program failed in the compiling process: its own line
-                pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
+                fail(self.config, f"{case.label}: {one_line(str(err))}", err)
             if result.failures:
                 pytest.fail(render_case(result), pytrace=False)
         return outcome
 
     def check_stale(self, cases: Iterable["Case"]) -> list[Path]:
-        """Fails naming every golden path no case of `cases` produces; under --sharding-update removes
-        them and returns what it removed."""
+        """Fails naming every golden path that neither a case of `cases` nor any golden check of this
+        run uses; under --sharding-update removes them and returns what it removed. When another test
+        of the run checks goldens with the `sharding_golden` fixture (or under --sharding-warn-unused),
+        the verdict is the run's: given at its end, from every golden folder its tests used (under
+        pytest-xdist too), as a failing exit status, a warning, or the deletion; left open, with a
+        warning, when a test using the fixture was deselected or the run stopped early."""
         from sharding_dump.golden import stale
         from sharding_dump.zoo.case import golden_dir
 
-        paths = stale.stale_paths(self.root, [golden_dir(case, self.root) for case in cases])
+        folders = [golden_dir(case, self.root) for case in cases]
+        if self.item is not None and (self.config.getoption("--sharding-warn-unused") or self._fixture_tests()):
+            left_out = getattr(self.config, "_sharding_dump_deselected", 0)
+            self.item.user_properties.append((DEFERRED_KEY, (str(self.root), [str(f) for f in folders], left_out)))
+            return []
+        paths = stale.stale_paths(self.root, folders)
         if paths and not self.update:
             pytest.fail(stale.report(paths), pytrace=False)
         stale.remove(paths)
         self._note("deleted", len(paths))
         return paths
+
+
+    def _fixture_tests(self) -> bool:
+        """True when a test of this run other than this one checks goldens with the fixture (or one
+        was deselected): the goldens it writes are known only once it has run."""
+        return getattr(self.config, "_sharding_dump_deselected", 0) > 0 or any(
+            item is not self.item and FIXTURE in getattr(item, "fixturenames", ()) for item in self.item.session.items)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Counts the deselected tests that use the fixture (-k, -m, --deselect, pytest-split's groups):
+    the goldens they would have used are unknown, so the run's stale verdict is left undecided."""
+    if items:
+        config = items[0].config
+        left_out = sum(FIXTURE in getattr(item, "fixturenames", ()) for item in items)
+        config._sharding_dump_deselected = getattr(config, "_sharding_dump_deselected", 0) + left_out  # type: ignore[attr-defined]
+
+
+def fail(config: pytest.Config | None, line: str, err: BaseException) -> None:
+    """Fails the test with the error's one line, as the CLI prints it; under `--tb=long` or
+    `--tb=native`, with the whole traceback of the user's code that failed below it."""
+    from sharding_dump.errors import traceback_text
+
+    __tracebackhide__ = True
+    text = f"sharding-dump: error: {line}"
+    if config is not None and config.getoption("tbstyle", "auto") in ("long", "native") and traceback_text(err):
+        text += f"\n\nThe user's code raised:\n{traceback_text(err).rstrip()}"
+    raise pytest.fail.Exception(text, pytrace=False) from None  # the chain is told above, or not asked for
 
 
 def checker_for(config: pytest.Config, item: pytest.Item | None) -> GoldenChecker:
@@ -260,6 +319,11 @@ class _Tally:
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        self.used: set[str] = set()  # every golden case folder a check of this run used
+        self.deferred: dict[str, set[str]] = {}  # golden root -> case folders of the stale checks left to the end
+        self.stale: list[Path] = []
+        self.kept = ""  # why --sharding-update did not delete the stale paths (a test failed, or did not run)
+        self.left_out = 0  # tests using the fixture that the run deselected
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
@@ -268,8 +332,49 @@ class _Tally:
             if key == SUMMARY_KEY:
                 kind, count = value
                 self.counts[kind] += count
+            elif key == USED_KEY:
+                self.used.add(value)
+            elif key == DEFERRED_KEY:
+                root, folders, left_out = value
+                self.deferred.setdefault(root, set()).update(folders)
+                self.left_out = max(self.left_out, left_out)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """The stale checks left to the end: a golden path is stale when no test of the run used it."""
+        if not self.deferred or hasattr(session.config, "workerinput"):
+            return
+        from sharding_dump.golden import stale
+
+        for root, folders in sorted(self.deferred.items()):
+            inside = [Path(f) for f in sorted(folders | self.used) if Path(f).is_relative_to(root)]
+            self.stale += stale.stale_paths(root, inside)
+        undecided = ""  # tests that did not run may use them: the verdict is left open, said as a warning
+        if self.left_out:
+            undecided = f"{self.left_out} test(s) using the {FIXTURE} fixture were deselected"
+        elif session.shouldstop or session.shouldfail:
+            undecided = "the run stopped before every test ran"
+        if self.stale and (undecided or (session.config.getoption("--sharding-update") and session.testsfailed)):
+            self.kept = undecided or "a test failed, so the goldens it uses are not known"
+            return
+        if session.config.getoption("--sharding-update"):
+            stale.remove(self.stale)
+            self.counts["deleted"] += len(self.stale)
+            self.stale = []
+        elif self.stale and not session.config.getoption("--sharding-warn-unused") \
+                and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        if self.kept:  # stale paths left undecided, or not deleted
+            terminalreporter.write_line(f"sharding-dump: warning: {len(self.stale)} golden path(s) no test of this run "
+                                        f"used, left alone: {self.kept}", yellow=True, bold=True)
+        elif self.stale:
+            from sharding_dump.golden import stale
+
+            warn = config.getoption("--sharding-warn-unused")
+            terminalreporter.write_line(f"sharding-dump: {'warning' if warn else 'error'}: {stale.report(self.stale)}",
+                                        yellow=warn, red=not warn, bold=True)
         if config.getoption("--sharding-update") and sum(self.counts.values()):
             from sharding_dump.golden.engine import summary_line
 
@@ -288,9 +393,13 @@ class _Collected:
         self.rootpath = rootpath
         self.in_paths = in_paths
         self.seen = False
+        self.fixture_ran = False  # a hand-written test checked a golden with the sharding_golden fixture
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.seen = self.seen or any(isinstance(item, (CaseItem, StaleItem)) for item in session.items)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.fixture_ran = self.fixture_ran or any(key == USED_KEY for key, _ in report.user_properties)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
@@ -303,7 +412,9 @@ class _Collected:
             return
         why = ("-k/-m deselected all of them" if self.in_paths else
                f"it is not among the paths given: add {self.anchor.name} to them, or run pytest without paths")
-        terminalreporter.write_line(f"sharding-dump: warning: no golden test ran: {self.anchor} configures "
+        what = ("the golden tests of the case files did not run" if self.fixture_ran else  # only the fixture's did
+                "no golden test ran")
+        terminalreporter.write_line(f"sharding-dump: warning: {what}: {self.anchor} configures "
                                     f"sharding cases, but {why}", yellow=True, bold=True)
 
 

@@ -2,7 +2,8 @@
 table, count or output block on it is typed by hand:
 
 - the reference pages, from the package's data: model cards, MaxText's model configs and their status
-  (`tests/data/maxtext/models.yml`), settings, rule files, topologies;
+  (`tests/data/maxtext/models.yml`), settings (with every default a golden depends on), rule files
+  (with the fields of a rule file, from its JSON schema), topologies;
 - the Layout page, from the import rule `tools/layering.py` holds and each module's docstring;
 - the front page, `docs/index.md`, from `README.md` (links into the site made relative to it);
 - every output block of a hand-written page (between `<!-- output: NAME -->` and `<!-- /output -->`),
@@ -10,7 +11,8 @@ table, count or output block on it is typed by hand:
   the pinned versions from the constraints files, the HTML report's chart, the TPU temporaries measured
   against MaxText in `tests/data/maxtext/tpu_temporaries.yml`), by running the real code on
   this checkout: a rule file with one line changed, its golden report, `diff --format markdown` with
-  its memory chart, `check`, `show --tensor`.
+  its memory chart, `check`, `show --tensor`, the pytest fixture's API and the plugin's options; a
+  block cut for a page says where and how many lines it leaves out.
 
     python tools/docs.py           # rewrite every generated file and block
     python tools/docs.py --check   # exit 1 naming each file that differs from what the data gives
@@ -160,6 +162,16 @@ def maxtext_configs_page() -> str:
                      "compared with MaxText's dump on"], rows, right=(3,)) + "\n")
 
 
+def default_batch() -> str:
+    """`12 token rows per device (per_device_batch_size) x 2048 tokens (max_target_length)`, from the
+    settings' defaults."""
+    from sharding_dump.zoo.settings import format_value, setting_specs
+    specs = setting_specs()
+    return (f"{format_value(specs['per_device_batch_size'].default)} token rows per device "
+            f"(`per_device_batch_size`) x {format_value(specs['max_target_length'].default)} tokens "
+            "(`max_target_length`)")
+
+
 def settings_page() -> str:
     from sharding_dump.zoo.settings import format_value, limits, parallelism_axes, setting_specs
     rows = []
@@ -170,9 +182,18 @@ def settings_page() -> str:
         rows.append([f"`{key}`", spec.type, f"`{format_value(spec.default)}`", allowed, spec.help])
     axes = [[f"`{a.axis}`", f"`ici_{a.setting}_parallelism`, `dcn_{a.setting}_parallelism`"] for a in parallelism_axes()]
     bounds = limits()
+    batch = ("per_device_batch_size", "max_target_length")
+    given = [f"`{key}={format_value(spec.default)}`" for key, spec in setting_specs().items()
+             if spec.type != "parallelism" and format_value(spec.default) != "" and key not in batch]
     return ("# Settings\n\nEvery `KEY=VALUE` a case takes (on the command line, or `overrides:` in a case file), "
             "in the canonical order of a case's folder name, from `sharding_dump/data/settings.yml` "
             "(`sharding-dump list settings` prints the same). A key not listed is bad input.\n\n"
+            "**What a golden depends on when a case sets nothing**: the batch is "
+            f"{default_batch()}; the rest is {', '.join(given)}, and each mesh axis's parallelism below (one "
+            "`-1` per kind fills the devices). A setting is taken, last one winning, from this table's default, "
+            "the model card's `settings:`, the rule file's `mesh_rules` entry for the topology, then the case's "
+            "`KEY=VALUE`. A golden's header records only the case's `KEY=VALUE` (`overrides`): a default changed "
+            "here changes goldens whose case did not change.\n\n"
             + table(["setting", "type", "default", "allowed", "what it changes"], rows)
             + "\n\n## Mesh axes\n\nMaxText's mesh axes in its mesh order, each sized by its parallelism settings "
             "(unset ones are 1, one `-1` per kind fills the rest; a rule file may declare axes of other names, "
@@ -183,12 +204,24 @@ def settings_page() -> str:
             f"{bounds.int_range[0]:,} to {bounds.int_range[1]:,}.\n")
 
 
+def rule_fields() -> str:
+    """The fields of a rule file, from its JSON schema: name, whether required, what it holds."""
+    schema = json.loads((REPO / "sharding_dump/data/schemas/rule.schema.json").read_text())
+    required = set(schema.get("required", ()))
+    rows = [[f"`{name}`", "yes" if name in required else "no", " ".join(prop["description"].split())]
+            for name, prop in schema["properties"].items()]
+    return (f"## Fields of a rule file\n\n{schema['description']} Every field, from "
+            "`sharding_dump/data/schemas/rule.schema.json` (a file is checked against it when it is read; a field "
+            "not listed is refused):\n\n" + table(["field", "required", "what it holds"], rows) + "\n")
+
+
 def rules_page() -> str:
     from sharding_dump.zoo.rules import load_rule, rule_names
     parts = ["# Rule files\n\nThe rule files shipped in `sharding_dump/rules/` (`--rule NAME`; `sharding-dump list "
-             "rules`). Each maps logical axis names to mesh axes, in order: the first rule whose mesh axes are "
-             "still free wins, a repeated name is a fallback, and `[]` keeps a dimension whole. How a case uses "
-             "them: [How it works](../guide/how-it-works.md).\n"]
+             "rules`), and any file of your own (`--rule path/to/rules.yml`). Each maps logical axis names to mesh "
+             "axes, in order: the first rule whose mesh axes are still free wins, a repeated name is a fallback, "
+             "and `[]` keeps a dimension whole. How a case uses them: [How it works](../guide/how-it-works.md).\n",
+             rule_fields()]
     for name in rule_names():
         rule = load_rule(name)
         path = Path("sharding_dump/rules") / f"{name}.yml"
@@ -318,15 +351,21 @@ def _mutated(work: Path, mutation: tuple[str, str, str]) -> Path:
 def _cut(text: str, rows: int) -> str:
     """The report's head, up to `rows` tensor entries, then `...` (the docs show the start of it)."""
     out, seen = [], 0
-    for line in text.splitlines():
+    lines = text.splitlines()
+    tail = [line for line in lines if line.startswith(("If the change", "    sharding-dump", "(or pytest"))]
+    for line in lines:
         if line.startswith("  params/") or line.startswith("  forward/") or line.startswith("  opt_state/"):
             seen += 1
             if seen > rows:
-                out.append("  ...")
+                out.append(f"  ... ({trimmed(len(lines) - len(out) - len(tail))})")
                 break
         out.append(line)
-    tail = [line for line in text.splitlines() if line.startswith(("If the change", "    sharding-dump", "(or pytest"))]
     return "\n".join(out + (tail if seen > rows else []))
+
+
+def trimmed(lines: int) -> str:
+    """What a cut output block says where it was cut."""
+    return f"{lines} more line{'' if lines == 1 else 's'} trimmed for this page"
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -378,6 +417,7 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
     blocks, counts = {}, {}
     matrix = load_matrix()
     counts["matrix-cases"] = str(len(matrix))
+    counts["default-batch"] = default_batch()
     specs = ranges()
     for package in ("jax", "flax", "optax", "pytest"):
         counts[f"range-{package}"] = f"`{package}{specs[package]}`"
@@ -408,7 +448,56 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
     (shown,) = options.cases_of(parsed, "shows", options.project_of(parsed))
     blocks["show-tensor"] = show.render_tensor_grid(shown, tensor).rstrip("\n")
     blocks["show-tensor-command"] = "sharding-dump show " + " ".join(args) + f" --tensor {tensor}"
+    blocks["fixture-api"] = fixture_api()
     return blocks, counts
+
+
+class _Options:
+    """Stands for pytest's parser when the plugin's `pytest_addoption` is read: each option and ini
+    option with its help."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str]] = []
+
+    def getgroup(self, name: str) -> "_Options":
+        return self
+
+    def addoption(self, *names: str, **kwargs: object) -> None:
+        metavar = f" {kwargs['metavar']}" if kwargs.get("metavar") else ""
+        self.rows.append((", ".join(names) + metavar, str(kwargs.get("help", ""))))
+
+    def addini(self, name: str, **kwargs: object) -> None:
+        self.rows.append((f"ini option {name}", str(kwargs.get("help", ""))))
+
+
+def fixture_api() -> str:
+    """The `sharding_golden` fixture's methods and `Case.make`, each with its signature and docstring,
+    then the plugin's command-line and ini options with their help: read from the code."""
+    import inspect
+    import textwrap
+
+    from sharding_dump import pytest_plugin
+    from sharding_dump.zoo.case import Case
+
+    def indented(text: str) -> str:
+        return textwrap.fill(text, 100, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)
+
+    def entry(name: str, function: Callable, skip_first: bool) -> str:
+        signature = inspect.signature(function)
+        params = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+        shown = signature.replace(parameters=params[1:] if skip_first else params,
+                                  return_annotation=inspect.Signature.empty)
+        doc = " ".join(inspect.getdoc(function).split())
+        return f"{name}{shown}\n" + indented(doc)
+
+    parts = [entry("Case.make", Case.make, False),
+             entry("sharding_golden.check", pytest_plugin.GoldenChecker.check, True),
+             entry("sharding_golden.check_stale", pytest_plugin.GoldenChecker.check_stale, True)]
+    options = _Options()
+    pytest_plugin.pytest_addoption(options)  # type: ignore[arg-type]
+    for name, help_text in options.rows:
+        parts.append(f"{name}\n" + indented(" ".join(help_text.split())))
+    return "\n\n".join(parts)
 
 
 def _card_refusal(work: Path) -> str:
@@ -434,7 +523,7 @@ def _cut_markdown(text: str, rows: int) -> str:
         if line.startswith("| `"):
             seen += 1
             if seen > rows + 1:  # the summary table's row, then the case's
-                out.append("...")
+                out.append(f"... ({trimmed(len(lines) - len(out))})")
                 break
         out.append(line)
     return "\n".join(out)
@@ -442,11 +531,12 @@ def _cut_markdown(text: str, rows: int) -> str:
 
 def _cut_findings(text: str) -> str:
     """A finding's head and its first tensor with the rule line behind it, then `...`."""
-    out = []
-    for line in text.splitlines():
+    out, lines = [], text.splitlines()
+    for line in lines:
         out.append(line)
         if line.strip().startswith("dim ") and ".yml:" in line:
-            out.append("        ...")
+            if len(lines) > len(out):
+                out.append(f"        ... ({trimmed(len(lines) - len(out))})")
             break
     return "\n".join(out)
 

@@ -120,8 +120,15 @@ def run(argv: Sequence[str]) -> int:
     args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
     from sharding_dump.commands.options import time_limit_of
 
-    with time_limit_of(getattr(args, "time_limit", None), hasattr(args, "time_limit")):
-        return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
+    try:
+        with time_limit_of(getattr(args, "time_limit", None), hasattr(args, "time_limit")):
+            return importlib.import_module(f"sharding_dump.commands.{COMMANDS[name][0]}").run(args)
+    except BadInput as err:
+        if getattr(args, "traceback", False):  # --traceback: what the user's code raised, in full
+            from sharding_dump.commands.options import print_traceback
+
+            print_traceback(err)
+        raise
 
 
 _SHOW_WARNING = warnings.showwarning

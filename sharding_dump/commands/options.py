@@ -60,6 +60,7 @@ def add_case_options(parser: argparse.ArgumentParser, all_help: str | None = Non
                              "card, custom_mesh_and_rule the rule, compile_topology the topology; every key is "
                              "honoured, ignored as layout-neutral or refused (data/maxtext_keys.yml)")
     add_time_limit_option(parser)
+    add_traceback_option(parser)
     if all_help:
         parser.add_argument("--all", action="store_true", help=all_help)
         parser.add_argument("--cases", action="append", metavar="FILE",
@@ -85,6 +86,23 @@ def seconds(text: str) -> float:
 def add_time_limit_option(parser: argparse.ArgumentParser) -> None:
     """--time-limit: the bound on each call into the user's code and on each compile."""
     parser.add_argument("--time-limit", type=seconds, metavar="SECONDS", help=TIME_LIMIT_HELP)
+
+
+def add_traceback_option(parser: argparse.ArgumentParser) -> None:
+    """--traceback: the whole traceback of a failure in the user's code, above its one error line."""
+    parser.add_argument("--traceback", action="store_true",
+                        help="when the user's code fails, print its whole traceback on stderr before the one error "
+                             "line (which names the file and line it raised at); the exit status stays 2")
+
+
+def print_traceback(err: BaseException) -> None:
+    """The whole traceback of the user's code behind `err` on stderr (nothing when the error is the
+    harness's own: bad input has its one line only)."""
+    from sharding_dump.errors import traceback_text
+
+    text = traceback_text(err)
+    if text:
+        print(text, end="", file=sys.stderr, flush=True)
 
 
 def time_limit_of(seconds: float | None, project: bool = True) -> ContextManager[None]:
@@ -159,7 +177,7 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
             for note in notes:
                 print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
-                           1 if args.num_slices is None else args.num_slices, overrides)]
+                           1 if args.num_slices is None else args.num_slices, overrides, project=False)]
     for case in cases:
         setup_case(case)
     return cases

@@ -4,7 +4,11 @@ The user's code (a module import, a factory, a model call, an init, a step, a ru
 raise anything, call `sys.exit`, loop forever or be interrupted. :func:`guard` runs one such call:
 
 * any exception, `SystemExit` (whatever its code) or other `BaseException` becomes a
-  :class:`UserCodeError` (a one-line BadInput, exit status 2) naming the call;
+  :class:`UserCodeError` (a one-line BadInput, exit status 2) naming the call, the user's file and
+  line it was raised at (:func:`raised_at`: the innermost frame that is not jax, flax, Python's own
+  library or this package) and, where flax says so, the parameter or module being built; the
+  exception stays chained as its `__cause__`, so `sharding-dump --traceback`, `pytest --tb=long` and
+  an uncaught error in the Python API show the whole traceback;
 * the call gets a time limit (:func:`time_limit`, default `data/time_limits.yml`): when it runs out,
   a UserCodeError names the call and the limit. The time runs per outermost call; a call nested
   in another runs on what is left of the outer one's time, or its own shorter limit;
@@ -40,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterator
 
 from sharding_dump.errors import BadInput, one_line, shown
@@ -258,6 +263,123 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0].strip()}" if lines else type(err).__name__
 
 
+@functools.cache
+def _told() -> dict[str, Any]:
+    """data/user_code.yml: which frames are not the user's code, how much of a message the line holds."""
+    from sharding_dump.resources import DATA_DIR, load_yaml, validate
+
+    path = DATA_DIR / "user_code.yml"
+    data = load_yaml(path, "user code settings")
+    validate(data, "user_code", f"user code settings {path}")
+    return data
+
+
+def message(err: BaseException) -> str:
+    """`Type: message` as the error line holds it: the first line of the message, and the lines after
+    it when the first ends with ":" (`Error resolving the config:` introduces its cause, `No module
+    named 'dialog'`, two lines down), cut at `message_chars` of data/user_code.yml; an explicit
+    `raise ... from cause` adds the cause's first line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    limit = _told()["message_chars"]
+    if text.endswith(":"):
+        for line in lines[1:]:
+            if len(text) >= limit:
+                break
+            text = f"{text} {line}"
+    if len(text) > limit:
+        text = text[:limit - 3].rstrip() + "..."
+    told = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    cause = err.__cause__
+    if cause is not None and type(cause).__name__ != "UnfilteredStackTrace":  # jax's copy of the same error
+        told += f" (from {first_line(cause)})"
+    return told
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """Where the user's code raised: the innermost frame of the user's code, and the flax parameter
+    or module being built there when flax's frames say so."""
+
+    file: str
+    line: int
+    function: str
+    parameter: str = ""  # `qkv/kernel`: flax's Module.param was creating it
+    module: str = ""  # `block_2 (Block)`: the innermost bound linen module with a path
+
+    def text(self) -> str:
+        """`badlm.py:32 in RankLM.__call__, creating parameter qkv/kernel` (the file relative to the
+        working directory when inside it)."""
+        file = self.file
+        try:
+            relative = os.path.relpath(file)
+            file = file if relative.startswith("..") else relative
+        except ValueError:  # another drive (Windows)
+            pass
+        where = f"{file}:{self.line} in {self.function}"
+        if self.parameter:
+            return f"{where}, creating parameter {self.parameter}"
+        return f"{where}, in module {self.module}" if self.module else where
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_PACKAGE_DIR]
+    for name in _told()["library_packages"]:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return tuple(dirs)
+
+
+def _is_library(file_name: str, dirs: tuple[str, ...]) -> bool:
+    if file_name.startswith("<"):  # <frozen importlib._bootstrap>, <string> of an exec
+        return True
+    path = os.path.abspath(file_name)
+    return path.startswith(dirs) or (path.startswith(_STDLIB_DIR) and "site-packages" not in path
+                                     and "dist-packages" not in path)
+
+
+def _module_path(value: Any) -> tuple[str, ...] | None:
+    """The path of a bound flax linen module (`("decoder", "block_2")`), None for anything else."""
+    linen = sys.modules.get("flax.linen")
+    if linen is None or not isinstance(value, linen.Module):
+        return None
+    try:
+        scope = object.__getattribute__(value, "scope")
+        return tuple(str(p) for p in scope.path) if scope is not None else None
+    except Exception:  # noqa: BLE001: an unbound module or a scope of another flax version: nothing to say
+        return None
+
+
+def raised_at(err: BaseException) -> Location | None:
+    """Where `err` was raised in the user's code, read from its traceback: the innermost frame that is
+    not of data/user_code.yml's library packages, Python's own library or this package; None when
+    every frame is (a call that failed at its entry: a wrong signature). The parameter flax's
+    `Module.param` was creating, else the innermost bound linen module with a path, from their frames."""
+    frames = list(traceback.walk_tb(err.__traceback__))
+    dirs = _library_dirs()
+    user = next(((frame, line) for frame, line in reversed(frames)
+                 if not _is_library(frame.f_code.co_filename, dirs)), None)
+    if user is None:
+        return None
+    parameter = module = ""
+    for frame, _ in reversed(frames):
+        path = _module_path(frame.f_locals.get("self"))
+        if path is None:
+            continue
+        name = frame.f_locals.get("name")
+        if frame.f_code.co_name in ("param", "variable") and isinstance(name, str) and not parameter:
+            parameter = "/".join((*path, name))
+        elif path and not module:
+            module = f"{'/'.join(path)} ({type(frame.f_locals['self']).__name__})"
+    frame, line = user
+    return Location(frame.f_code.co_filename, line, frame.f_code.co_qualname, parameter, module)
+
+
 def interrupted() -> bool:
     """True when a Ctrl-C (SIGINT) arrived during the current or last guarded call."""
     return _thread.interrupted
@@ -265,40 +387,52 @@ def interrupted() -> bool:
 
 @contextlib.contextmanager
 def guard(what: str, detail: str = "", limit: float | None = None, hint: str = LIMIT_HINT,
-          error: type[BadInput] = UserCodeError, user: bool = True) -> Iterator[None]:
+          error: type[BadInput] = UserCodeError, user: bool = True, call_hint: str = "") -> Iterator[None]:
     """Runs a call into the user's code, `what` naming it ("the model factory make_lm"); `detail`
-    (what was passed, what the interface expects) follows the reason in parentheses. Everything
-    that leaves the call but a BadInput of a nested guard and a real Ctrl-C becomes `error` (one
-    line); `limit` replaces the time limit, `hint` says where it is set. `user=False` is for a bounded
-    block of the harness's own (regex searches): nothing is put back after it, and any
-    KeyboardInterrupt in it is Ctrl-C."""
+    (what was passed) follows the reason in parentheses, and `call_hint` (what the interface expects:
+    the call's signature) too when the call failed at its entry, with no frame of the user's code on
+    the traceback (inside the user's code, the file and line it raised at say more). Everything that
+    leaves the call but a BadInput of a nested guard and a real Ctrl-C becomes `error` (one line),
+    with what was raised chained as its cause; `limit` replaces the time limit, `hint` says where it
+    is set. `user=False` is for a bounded block of the harness's own (regex searches): nothing is
+    put back after it, and any KeyboardInterrupt in it is Ctrl-C."""
     seconds = current_limit() if limit is None else limit
     now = time.monotonic()
     call = _Call(what, seconds, now + seconds)
     outermost = not _thread.calls
     if outermost:
         _enter_outermost(user)
-    suffix = f" ({detail})" if detail else ""
+
+    def told(err: BaseException) -> str:
+        location = raised_at(err)
+        parts = [detail] + ([call_hint] if location is None else [])
+        suffix = "; ".join(p for p in parts if p)
+        return (f" at {location.text()}" if location is not None else "") + (f" ({suffix})" if suffix else "")
+
     try:  # the timer may fire as soon as it is set (a limit of a millisecond): inside the try
         _thread.calls.append(call)
         _arm(min(c.deadline for c in _thread.calls))
         yield
     except BadInput:
         raise
-    except TimeLimitExceeded:
+    except TimeLimitExceeded as err:
         if any(c.deadline < call.deadline for c in _thread.calls[:-1]):
             raise  # the time of an enclosing call ran out: it says so
+        location = raised_at(err)
+        running = f"; it was running at {location.text()}" if location is not None else ""
         raise error(one_line(f"{what} did not finish within the time limit of {seconds_text(seconds)} "
-                             f"({hint})")) from None
+                             f"({hint}){running}")) from err
     except KeyboardInterrupt as err:
         if _thread.interrupted or not user:
             raise  # Ctrl-C: the run ends (exit 130)
-        raise error(one_line(f"{what} raised {first_line(err)} with no Ctrl-C{suffix}")) from None
+        raise error(one_line(f"{what} raised {message(err)} with no Ctrl-C{told(err)}")) from err
     except SystemExit as err:
-        raise error(one_line(f"{what} exited with SystemExit({err.code!r}) (sys.exit, exit() or quit() ends "
-                             f"the process; the harness's calls must return)")) from None
+        location = raised_at(err)
+        at = f" at {location.text()}" if location is not None else ""
+        raise error(one_line(f"{what} exited with SystemExit({err.code!r}){at} (sys.exit, exit() or quit() ends "
+                             f"the process; the harness's calls must return)")) from err
     except BaseException as err:  # noqa: BLE001: anything the user's code raises is one line, not a traceback
-        raise error(one_line(f"{what} failed with {first_line(err)}{suffix}")) from None
+        raise error(one_line(f"{what} failed with {message(err)}{told(err)}")) from err
     finally:
         if _thread.calls and _thread.calls[-1] is call:
             _thread.calls.pop()

@@ -176,9 +176,10 @@ def signature_text(fn: Any) -> str:
 @contextlib.contextmanager
 def user_code(what: str, passed: str, expects: str) -> Iterator[None]:
     """Runs the user's code at the boundary (:func:`sharding_dump.core.boundary.guard`): anything it
-    raises, a `sys.exit` or its time running out becomes one ProgramError line naming the call, what
-    was passed and what the interface expects (a BadInput from a nested guard, and Ctrl-C, pass through)."""
-    with guard(what, f"the harness passed {passed}; {expects}", error=ProgramError):
+    raises, a `sys.exit` or its time running out becomes one ProgramError line naming the call, the
+    user's file and line it raised at, what was passed, and, when it failed at its entry, what the
+    interface expects (a BadInput from a nested guard, and Ctrl-C, pass through)."""
+    with guard(what, f"the harness passed {passed}", error=ProgramError, call_hint=expects):
         yield
 
 

@@ -70,8 +70,8 @@ def remove(paths: Iterable[Path]) -> None:
 
 def report(paths: list[Path]) -> str:
     """Names every stale path and how to remove them."""
-    lines = [f"{len(paths)} golden path{'' if len(paths) == 1 else 's'} that no case produces (stale):"]
+    lines = [f"{len(paths)} golden path{'' if len(paths) == 1 else 's'} that no case or golden test uses (stale):"]
     lines += [f"    {display(p)}{'/' if p.is_dir() else ''}" for p in paths]
-    lines += ["A case was renamed or dropped from the case matrix, or a folder was added by hand.",
+    lines += ["A case was renamed or dropped from the case matrix, a golden test removed, or a folder added by hand.",
               "Remove them with:", "    pytest --sharding-update"]
     return "\n".join(lines)

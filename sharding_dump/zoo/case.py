@@ -38,8 +38,17 @@ class Case:
 
     @classmethod
     def make(cls, model: str, topology_name: str, rule: str, num_slices: int = 1,
-             overrides: Mapping[str, Any] | None = None) -> "Case":
-        """Validates every field (BadInput on the first bad one) and canonicalises the overrides."""
+             overrides: Mapping[str, Any] | None = None, project: bool = True) -> "Case":
+        """Validates every field (BadInput on the first bad one) and canonicalises the overrides. A
+        model or rule name is resolved as the CLI resolves it (`project`, the default): through the
+        `models`, `rule-dirs` and `card-dirs` of the [tool.sharding-dump] table around the working
+        directory (:meth:`sharding_dump.zoo.project.Project.resolve`), so a test's
+        `Case.make("tiny", "cpu-8", "tp")` is the case `sharding-dump --model tiny ... --rule tp` dumps."""
+        if project:
+            from sharding_dump.zoo.project import load_project
+
+            table = load_project()
+            model, rule = table.resolve("model", model), table.resolve("rule", rule)
         parse_model_ref(model)
         topology.load_topology(topology_name, num_slices)
         rules.rule_path(rule)

@@ -51,7 +51,7 @@ def load_matrix(path: str | Path = CASES_FILE, resolve: Callable[[str, str], str
                         ref = str((path.parent / ref).resolve())
                     refs[field] = resolve(field, ref) if resolve is not None else ref
                 case = Case.make(refs["model"], entry["topology"], refs["rule"],
-                                 entry.get("num_slices", 1), entry.get("overrides"))
+                                 entry.get("num_slices", 1), entry.get("overrides"), project=False)
         except BadInput as err:
             raise BadInput(f"case matrix {path}: field cases/{index}: {err}") from None
         if case.label in seen:

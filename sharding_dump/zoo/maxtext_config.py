@@ -646,7 +646,7 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
                   for key, (value, moe) in table.compiled.items()
                   if key in composed.values and not same(composed.values[key], value)
                   and (config.num_experts or not moe))
-    return MaxTextCase(Case.make(model_ref, topology, rule_ref, num_slices, overrides), notes)
+    return MaxTextCase(Case.make(model_ref, topology, rule_ref, num_slices, overrides, project=False), notes)
 
 
 def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:

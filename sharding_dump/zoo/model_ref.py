@@ -96,6 +96,8 @@ def load_reference(text: str, what: str = "model") -> Callable[..., Any]:
             try:
                 module = importlib.import_module(module_name)
             except ImportError as err:
+                if err.name is None or not (module_name + ".").startswith(err.name + "."):
+                    raise  # an import inside the module failed: the user's code, told with its file and line
                 raise BadInput(f"{what} {text!r}: cannot import {module_name} ({one_line(str(err))})") from None
     finally:
         if added and cwd in sys.path:

@@ -28,23 +28,31 @@ def loop() -> None:
         pass
 
 
+HERE = f"at {os.path.relpath(__file__)}:"  # the line names where the user's code (here: this file) raised
+
+
 @pytest.mark.parametrize("body, words", [
-    (lambda: (_ for _ in ()).throw(SystemExit(0)), "exited with SystemExit(0)"),
-    (lambda: exec("import sys; sys.exit(3)"), "exited with SystemExit(3)"),
-    (lambda: exec("raise SystemExit('bye')"), "exited with SystemExit('bye')"),
-    (lambda: exec("raise KeyboardInterrupt"), "raised KeyboardInterrupt with no Ctrl-C (passed x)"),
-    (lambda: (_ for _ in ()).throw(Custom("odd")), "failed with Custom: odd (passed x)"),
-    (lambda: (_ for _ in ()).throw(GeneratorExit()), "failed with GeneratorExit (passed x)"),
-    (lambda: (_ for _ in ()).throw(MemoryError("no room")), "failed with MemoryError: no room (passed x)"),
-    (lambda: (_ for _ in ()).throw(ValueError("two\nlines")), "failed with ValueError: two (passed x)"),
+    (lambda: (_ for _ in ()).throw(SystemExit(0)), "exited with SystemExit(0) " + HERE),
+    (lambda: exec("import sys; sys.exit(3)"), "exited with SystemExit(3) " + HERE),
+    (lambda: exec("raise SystemExit('bye')"), "exited with SystemExit('bye') " + HERE),
+    (lambda: exec("raise KeyboardInterrupt"), "raised KeyboardInterrupt with no Ctrl-C " + HERE),
+    (lambda: (_ for _ in ()).throw(Custom("odd")), "failed with Custom: odd " + HERE),
+    (lambda: (_ for _ in ()).throw(GeneratorExit()), "failed with GeneratorExit " + HERE),
+    (lambda: (_ for _ in ()).throw(MemoryError("no room")), "failed with MemoryError: no room " + HERE),
+    (lambda: (_ for _ in ()).throw(ValueError("two\nlines")), "failed with ValueError: two " + HERE),
+    (lambda: (_ for _ in ()).throw(ModuleNotFoundError("Error resolving the config:\n\n  in cfg.model\n"
+                                                        "No module named 'dialog'")),
+     "failed with ModuleNotFoundError: Error resolving the config: in cfg.model No module named 'dialog' " + HERE),
 ], ids=["SystemExit-0", "sys.exit-3", "SystemExit-text", "KeyboardInterrupt-raised", "BaseException",
-        "GeneratorExit", "MemoryError", "multi-line"])
+        "GeneratorExit", "MemoryError", "multi-line", "cause-on-third-line"])
 def test_every_exit_is_one_line_naming_the_call(body, words):
     with pytest.raises(UserCodeError) as caught:
         with guard("the factory f", "passed x"):
             body()
     assert str(caught.value).startswith("the factory f ") and words in str(caught.value)
     assert "\n" not in str(caught.value)
+    assert "(passed x)" in str(caught.value) or "SystemExit" in str(caught.value)
+    assert caught.value.__cause__ is not None  # kept, for --traceback and pytest --tb=long
 
 
 def test_bad_input_of_a_nested_call_passes_through_unchanged():

@@ -292,20 +292,23 @@ def step_restructures():
 '''
 
 FAILURES = [
-    ("boom", "the model factory programs_boom:boom failed with RuntimeError: no GPU here (the harness passed no arguments;"),
+    # inside the user's code: the file and line it raised at, and no hint about how the harness calls it
+    ("boom", "the model factory programs_boom:boom failed with RuntimeError: no GPU here at programs_boom.py:13 in boom "
+             "(the harness passed no arguments)"),
     ("number", "the model factory programs_number:number returned int; the interface expects a Flax linen or NNX module"),
     ("gemma_plain", "the model call failed with TypeError: Transformer.__call__() missing 2 required positional "
                     "arguments: 'cache' and 'attention_mask' (the harness passed Transformer(int32[16,64], "
                     "positions=int32[16,64], rngs=Rngs(dropout)); the model's call is Transformer.__call__(self, "
                     "last_tokens, positions, cache, attention_mask, rngs=None);"),
     ("no_logits", "the model's output {hidden: float32[16,64,8]} holds no float logits [batch, length, vocab]"),
-    ("hook_fails", "the call hook hook_fails.<locals>.<lambda> failed with KeyError: 'missing' (the harness passed "
-                   "call(model, {inputs: int32[1,8]"),
+    ("hook_fails", "the call hook hook_fails.<locals>.<lambda> failed with KeyError: 'missing' at "
+                   "programs_hook_fails.py:26 in hook_fails.<locals>.<lambda> (the harness passed call(model, "
+                   "{inputs: int32[1,8]"),
     ("input_fails", "computing input 'mask' with input_fails.<locals>.<lambda> failed with KeyError: 'nothing'"),
     ("bad_shape", "Input(shape=('batch', 'width')): give a tuple of sizes, each a whole number >= 0 or one of 'batch', 'length'"),
     ("no_dropout_stream", 'the model call failed with InvalidRngError: Dropout_0 needs PRNG for "dropout"'),
     ("init_fails", "the program's init init_fails.<locals>.<lambda> failed with ZeroDivisionError: division by zero "
-                   "(the harness passed init(key<fry>[]); init(key) returns the training state)"),
+                   "at programs_init_fails.py:38 in init_fails.<locals>.<lambda> (the harness passed init(key<fry>[]))"),
     ("step_fails", "the program's train_step step_fails.<locals>.<lambda> failed with KeyError: 'missing'"),
     ("step_single", "returned {params: {w: float32[4,4]}}; the interface expects a pair (new state, metrics)"),
     ("step_restructures", "returned a state of another tree than init's: new leaf extra"),

@@ -236,3 +236,139 @@ def test_check_and_show_take_a_factory_model(monkeypatch, capsys):
     assert "params/blocks/up/kernel" in table and '["layers","embed","mlp"]' in table
     assert cli.main(["check", *case]) == 0
     assert "clean" in capsys.readouterr().out
+
+
+# --- a failure inside the user's model points at the user's line ----------------------------------------
+
+FAILING_MODELS = '''\
+import flax.linen as nn
+
+
+def table():
+    return nn.Embed(64, 16, embedding_init=nn.with_logical_partitioning(nn.initializers.normal(), ("vocab", "embed")))
+
+
+def check_width(x):
+    raise ValueError("width must be even:\\n\\n  got 15")
+
+
+class Raises(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = table()(tokens)
+        check_width(x)
+        return x
+
+
+class ThreeAxes(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = table()
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
+        x = nn.DenseGeneral((2, 8), kernel_init=init, name="qkv")(embed(tokens))
+        return embed.attend(x.reshape(x.shape[:-2] + (16,)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        if self.name == "block_1":
+            raise NotImplementedError("no second block")
+        return x
+
+
+class Stacked(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = table()(tokens)
+        for i in range(2):
+            x = Block(name=f"block_{i}")(x)
+        return x
+
+
+def raises():
+    return Raises()
+
+
+def stacked():
+    return Stacked()
+
+
+def three_axes():
+    return ThreeAxes()
+'''
+FAILING_ARGS = ["--topology", "cpu-4", "--rule", "rules.yml", "per_device_batch_size=1", "max_target_length=8"]
+
+
+@pytest.fixture
+def failing_models(tmp_path, monkeypatch):
+    (tmp_path / "failing_lm.py").write_text(FAILING_MODELS)
+    (tmp_path / "rules.yml").write_text("mesh_axes: [fsdp, tensor]\nlogical_axis_rules:\n  - [batch, fsdp]\n"
+                                        "  - [embed, fsdp]\n  - [heads, tensor]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "failing_lm", raising=False)  # this test's copy, not another test's
+    return tmp_path
+
+
+def test_a_raise_inside_the_models_call_names_its_file_and_line(failing_models, capsys):
+    """The one line names where the user's code raised (not a frame of flax, jax or the harness), keeps
+    the message's cause on its third line, and drops the call-signature hint (the call was made; the
+    failure is inside it). --traceback prints the whole traceback above that line; exit 2 both ways."""
+    args = ["--model", "failing_lm:raises", *FAILING_ARGS, "--output-dir", str(failing_models / "out")]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err == ("sharding-dump: error: the model call failed with ValueError: width must be even: got 15 at "
+                   "failing_lm.py:9 in check_width (the harness passed Raises(int32[1,8]))\n")
+    assert cli.main(args + ["--traceback"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n") and err.endswith(
+        "sharding-dump: error: the model call failed with ValueError: width must be even: got 15 at "
+        "failing_lm.py:9 in check_width (the harness passed Raises(int32[1,8]))\n")
+    assert 'failing_lm.py", line 16, in __call__\n    check_width(x)' in err
+    assert 'raise ValueError("width must be even:' in err and "ValueError: width must be even:\n\n  got 15\n" in err
+    assert not (failing_models / "out").exists()
+
+
+def test_a_flax_parameter_that_fails_as_it_is_created_is_named(failing_models, capsys):
+    """flax's DenseGeneral calls its kernel_init with the kernel flattened to two dimensions, so three
+    logical axes fail with a rank error of jax that names no parameter: the line names qkv/kernel."""
+    assert cli.main(["--model", "failing_lm:three_axes", *FAILING_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "is only valid for values of rank at least 3, but was applied to a value of rank 2" in err
+    assert "at failing_lm.py:25 in ThreeAxes.__call__, creating parameter qkv/kernel (the harness passed" in err
+    assert err.count("\n") == 1 and "the model's call is" not in err
+
+
+def test_a_module_whose_own_import_fails_names_the_line_of_that_import(failing_models, capsys, monkeypatch):
+    """The module named exists but imports what is not installed: not "cannot import the module" (it is
+    there) but the ModuleNotFoundError of its own import statement, with its file and line."""
+    (failing_models / "needs_dialog.py").write_text("import os\nimport dialog_not_installed\n")
+    monkeypatch.delitem(sys.modules, "needs_dialog", raising=False)
+    assert cli.main(["--model", "needs_dialog:make", *FAILING_ARGS]) == 2
+    assert capsys.readouterr().err == (
+        "sharding-dump: error: importing needs_dialog (for model needs_dialog:make) failed with ModuleNotFoundError: "
+        "No module named 'dialog_not_installed' at needs_dialog.py:2 in <module>\n")
+
+
+def test_a_raise_inside_a_submodule_names_the_module(failing_models, capsys):
+    """The same line of code runs in two blocks: the line names the linen module that raised."""
+    assert cli.main(["--model", "failing_lm:stacked", *FAILING_ARGS]) == 2
+    assert capsys.readouterr().err == (
+        "sharding-dump: error: the model call failed with NotImplementedError: no second block at failing_lm.py:33 "
+        "in Block.__call__, in module block_1 (Block) (the harness passed Stacked(int32[1,8]))\n")
+
+
+def test_the_python_api_keeps_the_traceback_behind_its_one_line(failing_models):
+    """sd.dump_model on the failing model: a BadInput of one line, what the model raised its __cause__,
+    and sd.traceback_text(err) the whole traceback (empty for bad input to the harness itself)."""
+    from failing_lm import Raises
+
+    mesh = AbstractMesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+    with pytest.raises(sd.BadInput) as caught:
+        sd.dump_model(Raises(), mesh, sd.Rules((("batch", "fsdp"),)), batch_shape=(4, 8))
+    assert "\n" not in str(caught.value) and "at failing_lm.py:9 in check_width" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ValueError)
+    text = sd.traceback_text(caught.value)
+    assert text.startswith("Traceback (most recent call last):") and 'raise ValueError("width must be even:' in text
+    assert sd.traceback_text(sd.BadInput("rule file x.yml: field mesh_axes: give a list")) == ""

@@ -50,7 +50,7 @@ def run_pytest(pytester, *args):
 
 def failure_block(output):
     """The stale report as pytest printed it (from the count line to the fix)."""
-    match = re.search(r"^\d+ golden paths? that no case produces.*?^    pytest --sharding-update$", output, re.M | re.S)
+    match = re.search(r"^\d+ golden paths? that no case or golden test uses.*?^    pytest --sharding-update$", output, re.M | re.S)
     return match.group(0) if match else None
 
 

@@ -177,3 +177,112 @@ def pytester_help_section(lines: list[str]) -> list[str]:
     start = lines.index("sharding-dump:") + 1
     section = lines[start:next((i for i in range(start, len(lines)) if not lines[i].startswith(" ")), len(lines))]
     return [line.split()[0].rstrip(",") for line in section if line.startswith("  -")]
+
+
+FAILING_MODEL = '''\
+import flax.linen as nn
+
+
+class Broken(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        raise RuntimeError("no attention kernel for this shape")
+
+
+def make_broken():
+    return Broken()
+'''
+FIXTURE_TEST = '''\
+from sharding_dump import Case
+
+
+def test_broken(sharding_golden):
+    sharding_golden.check(Case.make("broken_lm:make_broken", "cpu-8", "tp", overrides={"ici_model_parallelism": 2}))
+'''
+
+
+def test_a_failing_model_is_one_line_and_its_traceback_is_there_under_tb_long(mini_project) -> None:
+    """A fixture test whose model raises in its own __call__: the failure is the CLI's one line, naming
+    the file and line of the raise; under --tb=long (and --tb=native) the whole traceback follows it."""
+    project = mini_project({**ADOPT_FILES, "broken_lm.py": FAILING_MODEL, "tests/test_broken.py": FIXTURE_TEST},
+                           table=ADOPT_TABLE.replace('cases = ["sharding/cases.yml"]\n', ""))
+    project.syspathinsert()
+    short = run(project, "tests")
+    short.assert_outcomes(failed=1)
+    short.stdout.fnmatch_lines(["sharding-dump: error: broken_lm:make_broken/cpu-8/slice_1/rule_tp_ici_model_parallelism=2: the "
+                                "model call failed with RuntimeError: no attention kernel for this shape at "
+                                "broken_lm.py:7 in Broken.__call__ (the harness passed Broken(int32*))"])
+    assert "Traceback" not in short.stdout.str() and "The above exception" not in short.stdout.str()
+    for style in ("long", "native"):
+        full = run(project, "tests", f"--tb={style}")
+        full.assert_outcomes(failed=1)
+        full.stdout.fnmatch_lines(["*sharding-dump: error: *at broken_lm.py:7 in Broken.__call__*", "",
+                                   "The user's code raised:", "Traceback (most recent call last):", "*",
+                                   '*raise RuntimeError("no attention kernel for this shape")',
+                                   "RuntimeError: no attention kernel for this shape"])
+
+
+MINE_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_tp_ici_model_parallelism=4"
+MINE_TEST = '''\
+from sharding_dump import Case
+
+
+def test_mine(sharding_golden):
+    sharding_golden.check(Case.make("qwen3-0.6b", "cpu-8", "tp", overrides={"ici_model_parallelism": 4}))
+'''
+
+
+def test_the_fixture_and_the_matrix_share_one_golden_world(project: pytest.Pytester) -> None:
+    """A repository with both documented flows: the case files' golden tests and a hand-written test
+    using the `sharding_golden` fixture (its `tp` found in the project's rule-dirs, as the CLI finds it).
+    A golden either writes is used; --sharding-update writes all three and deletes none, and plain
+    pytest stays green after it, with or without pytest-xdist. A golden no test uses any more is stale:
+    a failing exit status, a warning under --sharding-warn-unused, deleted by --sharding-update."""
+    (project.path / "tests").mkdir()
+    (project.path / "tests/test_mine.py").write_text(MINE_TEST)
+    updated = run(project, "--sharding-update")
+    updated.assert_outcomes(passed=4)
+    updated.stdout.fnmatch_lines(["sharding-dump goldens: 0 updated, 3 created, 0 unchanged, 0 deleted"])
+    mine = project.path / "sharding/goldens" / MINE_CASE / "named_shardings.json"
+    assert mine.is_file()
+    for args in ((), ("-n", "2")):
+        green = run(project, *args)
+        green.assert_outcomes(passed=4)
+        assert green.ret == pytest.ExitCode.OK and "stale" not in green.stdout.str().split("passed")[-1]
+    again = run(project, "--sharding-update")
+    again.stdout.fnmatch_lines(["sharding-dump goldens: 0 updated, 0 created, 3 unchanged, 0 deleted"])
+    assert mine.is_file() and run(project).ret == pytest.ExitCode.OK
+    # -k leaves the fixture test out: its golden is not judged (nor deleted) by a run that did not ask it
+    partial = run(project, "--sharding-update", "-k", "not test_mine")
+    partial.assert_outcomes(passed=3, deselected=1)
+    assert partial.ret == pytest.ExitCode.OK and mine.is_file()
+    partial.stdout.fnmatch_lines(["sharding-dump: warning: 1 golden path(s) no test of this run used, left alone: 1 "
+                                  "test(s) using the sharding_golden fixture were deselected"])
+
+    (project.path / "tests/test_mine.py").write_text("def test_other(sharding_golden):\n    pass\n")
+    for args in ((), ("-n", "2")):
+        stale = run(project, *args)
+        stale.assert_outcomes(passed=4)
+        assert stale.ret == pytest.ExitCode.TESTS_FAILED
+        stale.stdout.fnmatch_lines(["sharding-dump: error: 1 golden path that no case or golden test uses (stale):",
+                                    "    sharding/goldens/qwen3-0.6b/cpu-8/slice_1/rule_tp_ici_model_parallelism=4/"])
+    warned = run(project, "--sharding-warn-unused")
+    assert warned.ret == pytest.ExitCode.OK
+    warned.stdout.fnmatch_lines(["sharding-dump: warning: 1 golden path that no case or golden test uses (stale):"])
+    deleted = run(project, "--sharding-update")
+    deleted.stdout.fnmatch_lines(["sharding-dump goldens: 0 updated, 0 created, 2 unchanged, 1 deleted"])
+    assert not mine.parent.exists() and run(project).ret == pytest.ExitCode.OK
+
+
+def test_no_golden_test_ran_is_not_said_after_a_fixture_golden_test(project: pytest.Pytester) -> None:
+    """`pytest tests` runs the fixture's golden test but not the case files': the warning says that,
+    not that no golden test ran."""
+    (project.path / "tests").mkdir()
+    (project.path / "tests/test_mine.py").write_text(MINE_TEST)
+    result = run(project, "tests", "--sharding-update")
+    result.assert_outcomes(passed=1)
+    out = result.stdout.str()
+    assert "no golden test ran" not in out
+    result.stdout.fnmatch_lines(["sharding-dump: warning: the golden tests of the case files did not run: "
+                                 f"{project.path}/pyproject.toml configures sharding cases, but it is not among the "
+                                 "paths given*"])

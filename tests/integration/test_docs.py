@@ -87,8 +87,11 @@ def test_fill_replaces_a_stale_block_and_count():
 
 def test_readme_starts_with_the_set_up_commands_true_in_a_clone():
     text = README.read_text()
-    first = re.search(r"```bash\n(.*?)```", text, re.S)
-    assert first.group(1).splitlines() == SET_UP
+    first = re.search(r"```bash\n(.*?)```", text, re.S).group(1).splitlines()
+    assert first[1::2] == SET_UP
+    # each command under a comment line saying what it does: on the site, where a long line is cut at
+    # the block's edge, the two start alike
+    assert [line.startswith("# ") for line in first] == [True, False, True, False] and first[0] != first[2]
     assert text.index("```") < text.index("\n## ")  # before any section
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert (REPO / "constraints.txt").is_file() and any(d.startswith("pytest-xdist") for d in extras["dev"])

@@ -484,6 +484,19 @@ def test_a_bad_program_in_the_verify_child_is_its_own_line_exit_2(name, function
     assert got == status and captured.err.count("\n") == 1 and words in captured.err, captured.err[-2000:]
 
 
+@pytest.mark.compile  # a verify child: a second process that imports jax
+def test_verify_traceback_comes_back_from_its_child(user_repo, capsys):
+    """--traceback under verify: the user's code fails in the compiling process, which sends its whole
+    traceback back with its one line; the parent prints both, exit 2."""
+    got = cli.main(["verify", "--model", "hostile_user:custom", "--rule", "rules.yml", *SIZES, "--golden-dir", "golden",
+                    "--traceback"])
+    err = capsys.readouterr().err
+    assert got == 2 and err.startswith("Traceback (most recent call last):\n"), err[-2000:]
+    assert 'in custom\n    def custom(): raise Custom("odd")' in err
+    assert err.splitlines()[-1].startswith("sharding-dump: error: the model factory hostile_user:custom failed with "
+                                           "Custom: odd at hostile_user.py:")
+
+
 @pytest.mark.compile
 def test_a_verify_child_killed_or_out_of_memory_is_named(user_repo, capsys):
     """The child's real end: the SIGKILL the out-of-memory killer sends, a MemoryError in the user's

@@ -192,7 +192,8 @@ def test_zoo_opt_types_change_the_state_as_in_maxtext(tmp_path):
                                                 "with ValueError: learning rate must be positive"),
     ("optimizer=tests.zoo.test_optimizers:not_an_optimizer", "not_an_optimizer() returned 'dict', not an optax optimizer"),
     ("optimizer=tests.zoo.test_optimizers:failing_init", "optimizer=tests.zoo.test_optimizers:failing_init: init(params) "
-                                                     "failed with TypeError: expected a list of arrays (the harness passed"),
+                                                     "failed with TypeError: expected a list of arrays at tests/zoo/test_optimizers.py:207 in "
+                                                     "failing_init.<locals>.init (the harness passed"),
     ("optimizer=tests.zoo.test_optimizers:failing_update", "optimizer=tests.zoo.test_optimizers:failing_update: update(grads, "
                                                        "state, params) failed with ValueError: this optimizer needs a loss"),
 ])

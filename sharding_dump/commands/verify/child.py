@@ -101,7 +101,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     from sharding_dump.zoo.case import Case
 
     c = request["case"]
-    case = Case.make(c["model"], c["topology"], c["rule"], c["num_slices"], c["overrides"])
+    case = Case.make(c["model"], c["topology"], c["rule"], c["num_slices"], c["overrides"], project=False)
     parts = build_step(case)
     mesh = _mesh(parts, request["tpu_topology"] if request["tpu"] else None, case.num_slices)
     state_shardings = jax.tree_util.tree_map_with_path(
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     (the case's own bad input: a program that fails, exits or runs out of time); 1 with `error`, what
     ended the child otherwise (a MemoryError, a compiler crash)."""
     from sharding_dump.core.boundary import first_line, time_limit
-    from sharding_dump.errors import BadInput, one_line
+    from sharding_dump.errors import BadInput, one_line, traceback_text
 
     work = Path(argv[0])
     request = json.loads((work / "request.json").read_text(encoding="utf-8"))
@@ -153,7 +153,8 @@ def main(argv: list[str]) -> int:
         with time_limit(request.get("time_limit")):
             answer = run(request)
     except BadInput as err:
-        (work / "result.json").write_text(json.dumps({"bad_input": one_line(str(err))}), encoding="utf-8")
+        told = {"bad_input": one_line(str(err)), "traceback": traceback_text(err)}  # --traceback prints the latter
+        (work / "result.json").write_text(json.dumps(told), encoding="utf-8")
         return 2
     except (KeyboardInterrupt, SystemExit):
         raise

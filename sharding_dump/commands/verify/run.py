@@ -20,7 +20,7 @@ from sharding_dump.commands.verify.settings import Options, tpu_topologies
 from sharding_dump.commands.verify.xla_log import rematerializations
 from sharding_dump.core.boundary import LIMIT_HINT, current_limit, seconds_text
 from sharding_dump.core.format import NAMED_FILE
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, TracebackText
 from sharding_dump.resources import PACKAGE_DIR
 
 
@@ -158,7 +158,7 @@ def verify_case(case: Any, options: Options) -> CaseResult:
         answer_path = work / "result.json"
         answer = json.loads(answer_path.read_text(encoding="utf-8")) if answer_path.is_file() else {}
         if answer.get("bad_input"):  # the case's own bad input (a program that fails): the child's line
-            raise BadInput(answer["bad_input"])
+            raise BadInput(answer["bad_input"]) from TracebackText(answer["traceback"]) if answer.get("traceback") else None
         if returncode != 0 or not answer or answer.get("error"):
             result.compile_error = _child_failure(returncode, answer, log_text)
             result.wall_seconds = time.perf_counter() - start
