@@ -135,10 +135,11 @@ class CaseMatrix(pytest.File):
 
     def collect(self) -> Iterator[pytest.Item]:
         from sharding_dump.errors import BadInput
+        from sharding_dump.zoo.matrix import load_project_cases
 
         project = project_of(self.config)
         try:
-            cases = project.load_cases()
+            cases = load_project_cases(project)
         except BadInput as err:
             raise self.CollectError(f"sharding-dump: error: {err}") from None
         for case in cases:

@@ -155,6 +155,7 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
     from sharding_dump.zoo import maxtext_config
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.dump import setup_case
+    from sharding_dump.zoo.matrix import load_project_cases
     from sharding_dump.zoo.settings import parse_assignments
 
     if getattr(args, "all", False):
@@ -162,7 +163,7 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
                 or args.maxtext_config:
             raise BadInput(f"--all {verb} the whole case matrix: it takes no --model/--topology/--rule/--num-slices/"
                            f"--maxtext-config/KEY=VALUE")
-        cases = project.load_cases()
+        cases = load_project_cases(project)
     elif args.maxtext_config:
         cases = [_maxtext_case(args, verb, project)]
     else:

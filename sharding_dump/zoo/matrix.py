@@ -8,12 +8,13 @@ each entry a model, topology and rule, or a MaxText run configuration (:mod:`sha
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.project import PYPROJECT, TABLE, Project
 
 CASES_FILE = DATA_DIR / "cases.yml"
 
@@ -58,4 +59,24 @@ def load_matrix(path: str | Path = CASES_FILE, resolve: Callable[[str, str], str
             raise BadInput(f"case matrix {path}: field cases/{index}: same case as cases/{seen[case.label]}")
         seen[case.label] = index
         cases.append(case)
+    return cases
+
+
+def load_project_cases(project: "Project", paths: Iterable[Path] | None = None) -> list[Case]:
+    """Every case of a project's case files (or `paths`), validated, in file order, names resolved through
+    the project's `models` and `rule-dirs`; two files naming the same case is BadInput. With no case file
+    configured, BadInput saying how to name one."""
+    paths = list(project.cases if paths is None else paths)
+    if not paths:
+        where = (f"[tool.{TABLE}] of {project.source}" if project.source
+                 else f"[tool.{TABLE}] of a {PYPROJECT}")
+        raise BadInput(f"no case file: set cases in {where} or pass --cases FILE")
+    cases: list[Case] = []
+    seen: dict[str, Path] = {}
+    for path in paths:
+        for case in load_matrix(path, project.resolve):
+            if case.label in seen:
+                raise BadInput(f"case file {path}: case {case.label} is also in {seen[case.label]}")
+            seen[case.label] = path
+            cases.append(case)
     return cases

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, validate
@@ -88,24 +88,6 @@ class Project:
                 if (folder / f"{ref}{suffix}").is_file():
                     return str(folder / f"{ref}{suffix}")
         return ref
-
-    def load_cases(self, paths: Iterable[Path] | None = None) -> list:
-        """Every case of the case files (or `paths`), validated, in file order; two files naming the
-        same case is BadInput. With no case file configured, BadInput saying how to name one."""
-        from sharding_dump.zoo.matrix import load_matrix
-
-        paths = list(self.cases if paths is None else paths)
-        if not paths:
-            where = f"[tool.{TABLE}] of {self.source}" if self.source else f"[tool.{TABLE}] of a {PYPROJECT}"
-            raise BadInput(f"no case file: set cases in {where} or pass --cases FILE")
-        cases, seen = [], {}
-        for path in paths:
-            for case in load_matrix(path, self.resolve):
-                if case.label in seen:
-                    raise BadInput(f"case file {path}: case {case.label} is also in {seen[case.label]}")
-                seen[case.label] = path
-                cases.append(case)
-        return cases
 
 
 def find_pyproject(start: Path) -> Path | None:

@@ -153,12 +153,13 @@ def test_a_named_factory_is_filed_under_its_name(tmp_path, monkeypatch):
     """`models = {small = "examples.linen_lm:small_lm"}` (or `--model small=examples.linen_lm:small_lm`):
     the golden folder and the case's name are `small`, so moving the factory renames no golden."""
     from sharding_dump.zoo.case import golden_dir
+    from sharding_dump.zoo.matrix import load_project_cases
     from sharding_dump.zoo.project import load_project
 
     (tmp_path / "pyproject.toml").write_text('[tool.sharding-dump]\ncases = "cases.yml"\n'
                                              'models = {small = "examples.linen_lm:small_lm"}\n')
     (tmp_path / "cases.yml").write_text(f"cases:\n  - {{model: small, topology: cpu-8, rule: {REPO}/examples/rules.yml}}\n")
-    (case,) = load_project(tmp_path).load_cases()
+    (case,) = load_project_cases(load_project(tmp_path))
     assert golden_dir(case, tmp_path / "golden") == tmp_path / "golden/small/cpu-8/slice_1/rule_rules"
     assert case.label == "small/cpu-8/slice_1/rule_rules" and case.header()["model"] == "small"
     assert case.command().startswith("sharding-dump --model small=examples.linen_lm:small_lm --topology cpu-8")
