@@ -137,6 +137,13 @@ def assert_bad_input(tmp_path, capsys, args: str, message: str) -> None:
     assert captured.err.startswith("sharding-dump: error: ") and message in captured.err, captured.err
     assert not out.exists()
 
+# Example programs that decide their own layouts (tests/core/test_handback.py, docs/program-placement.md).
+FSDP = ("examples.fsdp_trainer:small_lm", "cpu-8", "examples/fsdp_rules.yml",
+        {"ici_fsdp_parallelism": 8, "per_device_batch_size": 2, "max_target_length": 32})
+JITTED = ("examples.pure_jax_llama:small_llama_jitted", "cpu-4", "examples/pure_jax_rules.yml",
+          {"ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2, "shard_mode": "explicit", "per_device_batch_size": 2,
+           "max_target_length": 32})
+
 
 def program_case(spec: tuple) -> Case:
     """The case of `(model, topology, rule file in the checkout, overrides)`: an example program's."""

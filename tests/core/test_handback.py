@@ -22,17 +22,13 @@ import warnings
 import jax
 import pytest
 
-from helpers import REPO, golden_after, program_case
+from helpers import FSDP, JITTED, REPO, golden_after, program_case
 from sharding_dump.core.handback import HandBack
 from sharding_dump.errors import ProgramLayoutWarning
 from sharding_dump.golden import codec
 from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case
 
-SMALL = {"per_device_batch_size": 2, "max_target_length": 32}
-FSDP = ("examples.fsdp_trainer:small_lm", "cpu-8", "examples/fsdp_rules.yml", {"ici_fsdp_parallelism": 8, **SMALL})
-JITTED = ("examples.pure_jax_llama:small_llama_jitted", "cpu-4", "examples/pure_jax_rules.yml",
-          {"ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2, "shard_mode": "explicit", **SMALL})
 
 
 def goldens(case: Case) -> dict[str, bytes]:
