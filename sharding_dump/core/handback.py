@@ -74,12 +74,16 @@ def mesh_text(shape: MeshShape) -> str:
     return " x ".join(f"{name}={size}" for name, size in shape)
 
 
-def _shardings(value: Any) -> Iterator[NamedSharding]:
+def _meshes_in(value: Any) -> Iterator[Any]:
+    """The meshes a parameter value names: a NamedSharding's, a mesh itself (a `shard_map`'s, the
+    context mesh a jit was traced under), inside tuples and lists too."""
     if isinstance(value, NamedSharding):
+        yield value.mesh
+    elif isinstance(value, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _shardings(item)
+            yield from _meshes_in(item)
 
 
 def _all_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
@@ -92,13 +96,14 @@ def _all_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
 
 def meshes(closed: ClosedJaxpr) -> list[tuple[MeshShape, str]]:
     """Every distinct mesh the traced function's own shardings name (a jit's in/out shardings, a
-    constraint, `reshard`, `device_put`, an output sharding), each with the first equation naming it
-    (`jit create`, `sharding_constraint`), in trace order."""
+    constraint, `reshard`, `device_put`, an output sharding, a `shard_map`'s mesh, a mesh set with
+    `jax.set_mesh`), each with the first equation naming it (`jit create`, `sharding_constraint
+    sharding`), in trace order."""
     found: dict[MeshShape, str] = {}
     for eqn in _all_equations(closed):
         for key, value in eqn.params.items():
-            for sharding in _shardings(value):
-                shape = mesh_shape(sharding.mesh)
+            for mesh in _meshes_in(value):
+                shape = mesh_shape(mesh)
                 if shape and shape not in found:  # an empty mesh is jax's own "no mesh"
                     name = eqn.params.get("name") if eqn.primitive.name in _JIT else None
                     found[shape] = f"{eqn.primitive.name} {name}" if name else f"{eqn.primitive.name} {key}"
@@ -110,6 +115,8 @@ def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the 
     on a mesh whose axis names or sizes are not `mesh`'s: the dump would lay the program's specs on
     another mesh than the one it runs on."""
     want = mesh_shape(mesh)
+    if not want:  # traced outside any mesh: nothing to hold the program's against
+        return
     for shape, where in meshes(closed):
         if shape != want:
             raise BadInput(f"{what} places its arrays on its own mesh {mesh_text(shape)} ({where}), not on "

@@ -20,11 +20,14 @@ import textwrap
 import warnings
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from helpers import FSDP, JITTED, REPO, golden_after, program_case
-from sharding_dump.core.handback import HandBack
-from sharding_dump.errors import ProgramLayoutWarning
+from sharding_dump.core.handback import HandBack, check_mesh
+from sharding_dump.errors import BadInput, ProgramLayoutWarning
 from sharding_dump.golden import codec
 from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case
@@ -51,6 +54,26 @@ def test_moved_bytes(went, came, moved):
     assert back.moved_bytes == moved
 
 
+# --- the program's own mesh --------------------------------------------------------------------------------
+
+def test_a_mesh_of_the_programs_own_is_refused_naming_both():
+    """A sharding on a mesh of other sizes than the case's is refused in one line naming both meshes and
+    where the program names it; one on the case's mesh, or a trace outside any mesh, passes."""
+    case = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def init_on(mesh):
+        return lambda: jax.jit(lambda: jnp.zeros((8, 8)), out_shardings=NamedSharding(mesh, P("data")))()
+
+    own = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.sharding.use_abstract_mesh(case):
+        closed = jax.make_jaxpr(init_on(own))()
+        check_mesh(jax.make_jaxpr(init_on(case))(), case, "the program's init")
+    with pytest.raises(BadInput, match=r"^the program's init places its arrays on its own mesh data=2 x model=4 "
+                                       r"\(jit <lambda>\), not on the case's mesh data=4 x model=2: "):
+        check_mesh(closed, case, "the program's init")
+    check_mesh(closed, jax.sharding.get_abstract_mesh(), "the program's init")  # no mesh: nothing to hold it to
+
+
 # --- a program that places its own batch and constrains its whole state at the end of its step -----------
 
 def fsdp_specs(strategy) -> dict[str, tuple]:
@@ -60,7 +83,7 @@ def fsdp_specs(strategy) -> dict[str, tuple]:
 
     mesh = dump.setup_case(program_case(FSDP)).plan.abstract_mesh()
     model = ft.MLPLM()
-    shapes = jax.eval_shape(lambda k: model.init(k, jax.numpy.zeros((1, 8), "int32"))["params"], jax.random.key(0))
+    shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 8), "int32"))["params"], jax.random.key(0))
     return {"params/" + path_text(k): tuple(strategy.fsdp(leaf.shape, mesh))
             for k, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
 
