@@ -306,17 +306,16 @@ def handed_back(setup: CaseSetup, layouts: list[TensorLayout]) -> list[HandBack]
 
 
 def program_batch(setup: CaseSetup) -> dict[str, tuple[specs.SpecJson, specs.SpecJson]]:
-    """{batch field: (the program's spec, the rule file's)} of every field the program's step takes
-    in a layout of its own (its jit's in_shardings, a constraint or reshard at its top)."""
+    """{batch field: (the program's spec, the rule file's data_sharding)} of every field the program
+    takes in a layout of its own: the one its step demands (its jit's in_shardings, a constraint or
+    reshard at its top), else its own data sharding (`Input(sharding=...)`)."""
     fields = case_batch(setup)
-    placed_by_rules = {c.name: c.partition_spec for c in step_reading(setup).constraints
-                       if c.pass_ == "forward" and not c.module and c.name in fields}
-    out = {}
-    for name, spec in step_reading(setup).batch:
-        ndim = fields[name].ndim
-        rule = placed_by_rules.get(name, setup.batch.pipeline_spec)
-        out[name] = (specs.spec_to_json(spec, ndim), specs.spec_to_json(rule, ndim))
-    return out
+    declared = {name: field.sharding for name, field in batch_fields(setup.case).items()
+                if field is not None and field.sharding is not None}
+    own = {**{name: getattr(s, "spec", s) for name, s in declared.items()}, **dict(step_reading(setup).batch)}
+    return {name: (specs.spec_to_json(spec, fields[name].ndim),
+                   specs.spec_to_json(setup.batch.pipeline_spec, fields[name].ndim))
+            for name, spec in own.items()}
 
 
 def warn_program_layouts(setup: CaseSetup, backs: list[HandBack],

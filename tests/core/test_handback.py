@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -105,18 +106,21 @@ def test_fsdp_trainer_every_leaf_as_its_strategy_places_it(fresh):
     assert "returned" not in activations  # the step hands everything back as init placed it
 
 
-def test_fsdp_trainer_batch_layout_edit_fails_its_golden(fresh, tmp_path):
-    """The trainer's own batch layout (Kauldron's `ShardingStrategy(batch=REPLICATED)`): the golden
+@pytest.mark.parametrize("factory", ["small_lm", "small_lm_data_sharding"])
+def test_fsdp_trainer_batch_layout_edit_fails_its_golden(fresh, tmp_path, factory):
+    """The trainer's own batch layout (Kauldron's `ShardingStrategy(batch=REPLICATED)`), constrained at
+    the top of its step or delivered so by its own data pipeline (`Input(sharding=...)`): the golden
     fails naming the batch, and the dump says it differs from the rule file's data_sharding."""
     from examples import fsdp_trainer as ft
 
-    report = golden_after(tmp_path, FSDP, goldens,
+    spec = (f"examples.fsdp_trainer:{factory}",) + FSDP[1:]
+    report = golden_after(tmp_path, spec, goldens,
                           lambda: fresh.setattr(ft, "STRATEGY", ft.ShardingStrategy(batch=ft.REPLICATED)))
     assert 'header batch.program_spec  golden {"inputs":["fsdp",null],"targets":["fsdp",null]}  now ' \
            '{"inputs":[null,null],"targets":[null,null]}' in report
     with pytest.warns(ProgramLayoutWarning, match=r"takes batch field 'inputs' on \[None, None\], where the rule "
                                                   r"file's data_sharding places it on \['fsdp', None\]"):
-        dump.dump_case(program_case(FSDP))
+        dump.dump_case(program_case(spec))
 
 
 def test_fsdp_trainer_end_of_step_constraint_edit_fails_its_golden(fresh, tmp_path):
@@ -247,3 +251,17 @@ def test_own_mesh_batch_layout_edit_fails_its_golden(eqx_run):
     assert eqx_run["batch"].startswith("differs: ")
     assert 'header batch.program_spec  golden {"inputs":["data",null],"targets":["data",null]}  now ' \
            '{"inputs":[null,null],"targets":[null,null]}' in eqx_run["batch"]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"sharding": "fsdp"}, "Input(sharding='fsdp'): give None, a PartitionSpec of mesh axes"),
+    ({"sharding": P("fsdp", None, None)}, "of at most one entry per dimension"),
+    ({"logical_axes": ("batch", "length"), "sharding": P("fsdp")}, "give one of them: logical axes the rule file "
+                                                                    "places, or the program's own sharding"),
+])
+def test_input_sharding_is_checked_where_it_is_written(kwargs, says):
+    from sharding_dump.core.program import ProgramError
+    import sharding_dump as sd
+
+    with pytest.raises(ProgramError, match=re.escape(says)):
+        sd.Input(**kwargs)
