@@ -36,7 +36,7 @@ replicated where it took it split over `x` (a `jit(out_shardings=...)` of its ow
 >>> {index: tuple(spec) for index, spec in demanded(closed, [1]).items()}
 {1: (None, 'x')}
 >>> back = hand_backs(returned(closed, 1), [("w", (64, 8), "float32", P("x"))], {"x": 4})
->>> [(b.path, b.went_in, b.came_back, b.moved_bytes) for b in back]
+>>> [(b.path, b.held, b.step, b.moved_bytes) for b in back]
 [('w', ['x', None], [None, None], 1536)]
 
 Each device gathers the three quarters of `w` it lacks (1536 of its 2048 bytes) at the end of every
@@ -176,40 +176,39 @@ def returned(closed: ClosedJaxpr, count: int) -> list[PartitionSpec | None]:
     return out
 
 
-def demanded(closed: ClosedJaxpr, indices: Iterable[int], skip: str | None = None) -> dict[int, PartitionSpec]:
-    """{input index: spec} of the inputs the function demands a layout of: the first placement the
-    input meets, a constraint, `reshard` or `device_put` of it, or a jit taking it with an
-    `in_shardings` entry (else the first placement inside that jit's body). Placements whose name
-    stack holds `skip` (the harness's own, made before the program runs) are followed through."""
+def demanded(closed: ClosedJaxpr, indices: Iterable[int], skip: str | None = None,
+             placements: bool = True) -> dict[int, PartitionSpec]:
+    """{input index: spec} of the inputs the function demands a layout of at its top: where the first
+    equation to use the input places it (a constraint, `reshard` or `device_put` of it), or is a jit
+    taking it with an `in_shardings` entry (else the same inside that jit's body). A placement whose
+    name stack holds `skip` (the harness's own, made before the program runs) is followed through.
+    With `placements` False only a jit's `in_shardings` count (the layout a step takes its state in).
+    An input first used in a computation is taken as it comes: a reshard deep in the model (of the
+    tokens before an embedding gather) is the model's work, not a layout the program demands."""
     found = {}
     for index in indices:
-        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip)
+        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip, placements)
         if spec is not None:
             found[index] = spec
     return found
 
 
-def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None) -> PartitionSpec | None:
-    for eqn in jaxpr.eqns:
-        positions = [i for i, v in enumerate(eqn.invars) if v is var]
-        if not positions:
-            continue
-        name, at = eqn.primitive.name, positions[0]
-        if name in _PLACING or name == "device_put":
-            sharding = eqn.params[_PLACING[name]] if name in _PLACING else eqn.params["devices"][at]
-            if skip is not None and skip in str(eqn.source_info.name_stack):
-                return _first_placement(jaxpr, eqn.outvars[at], skip)
-            spec = _given(sharding)
-            if spec is not None:
-                return spec
-        elif name in _JIT:
-            spec = _given(eqn.params["in_shardings"][at])
-            if spec is not None:
-                return spec
-            inner = eqn.params["jaxpr"].jaxpr
-            spec = _first_placement(inner, inner.invars[at], skip)
-            if spec is not None:
-                return spec
+def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None, placements: bool) -> PartitionSpec | None:
+    eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.invars)), None)
+    if eqn is None:
+        return None
+    name, at = eqn.primitive.name, next(i for i, v in enumerate(eqn.invars) if v is var)
+    if name in _PLACING or name == "device_put":
+        if skip is not None and skip in str(eqn.source_info.name_stack):
+            return _first_placement(jaxpr, eqn.outvars[at], skip, placements)
+        sharding = eqn.params[_PLACING[name]] if name in _PLACING else eqn.params["devices"][at]
+        return _given(sharding) if placements else None
+    if name in _JIT:
+        spec = _given(eqn.params["in_shardings"][at])
+        if spec is not None:
+            return spec
+        inner = eqn.params["jaxpr"].jaxpr
+        return _first_placement(inner, inner.invars[at], skip, placements)
     return None
 
 
@@ -217,27 +216,28 @@ def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None) -> PartitionSpec 
 
 @dataclasses.dataclass(frozen=True)
 class HandBack:
-    """A leaf a step hands back in another layout than it took it in: the step reshards it to
-    `came_back` at its end, and the next step brings it back to `went_in` (its jit's in_shardings, or
-    the state's type) at its start."""
+    """A state leaf a step lays out otherwise than the state holds it (`held`): handed back in
+    another layout (`step`), it is resharded at the end of every step and brought back to `held`
+    when the next step takes it; taken in another layout (a jit's `in_shardings`), it is resharded
+    at the start of every step and back at its end."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
-    went_in: specs.SpecJson
-    came_back: specs.SpecJson
+    held: specs.SpecJson
+    step: specs.SpecJson
     sizes: Mapping[str, int]
 
     @property
     def moved_bytes(self) -> int:
         """Bytes the device that moves most receives per step for this leaf: what it lacks of its shard
-        in the returned layout, then what it lacks of its shard in the state's layout again."""
-        axes = sorted({a for spec in (self.went_in, self.came_back) for d in range(len(self.shape))
+        in the step's layout, then what it lacks of its shard in the state's layout again."""
+        axes = sorted({a for spec in (self.held, self.step) for d in range(len(self.shape))
                        for a in specs.spec_axes(spec, len(self.shape))[d]})
         most = 0
         for coords in itertools.product(*(range(self.sizes[a]) for a in axes)):
             where = dict(zip(axes, coords))
-            a, b = self._box(self.went_in, where), self._box(self.came_back, where)
+            a, b = self._box(self.held, where), self._box(self.step, where)
             common = math.prod(max(0, min(x1, y1) - max(x0, y0)) for (x0, x1), (y0, y1) in zip(a, b))
             most = max(most, _size(a) + _size(b) - 2 * common)
         return most * specs.itemsize(self.dtype)
@@ -260,9 +260,10 @@ def _size(box: Sequence[tuple[int, int]]) -> int:
 
 def hand_backs(back: Sequence[PartitionSpec | None], leaves: Sequence[tuple[str, tuple[int, ...], str, Any]],
                sizes: Mapping[str, int]) -> list[HandBack]:
-    """The leaves (path, shape, dtype, the spec they went in with) whose returned spec `back` (one per
-    leaf, None: undecided) lays them out otherwise on a mesh of `sizes`; axes of size 1 split nothing,
-    so a spec that differs only by them is the same layout."""
+    """The leaves (path, shape, dtype, the spec the state holds them on) whose spec in the step `back`
+    (one per leaf, as :func:`returned` or :func:`demanded` read it; None: undecided) lays them out
+    otherwise on a mesh of `sizes`; axes of size 1 split nothing, so a spec that differs only by them
+    is the same layout."""
     out = []
     for spec, (path, shape, dtype, went) in zip(back, leaves):
         if spec is None:

@@ -137,7 +137,7 @@ def test_fsdp_trainer_end_of_step_constraint_edit_fails_its_golden(fresh, tmp_pa
     (up,) = [f for f in findings if f.subject.startswith("params/up_0/kernel")]
     assert up.subject == "params/up_0/kernel (and opt_state/0/mu, opt_state/0/nu)"
     # [64, 256] float32 split 8 ways on its columns, handed back whole: 7/8 of 64 KiB gathered per step
-    assert up.message == ('the step hands it back on [null,null] where it went in on [null,"fsdp"]: 56.0 KiB moved '
+    assert up.message == ('the step hands it back on [null,null] where the state holds it on [null,"fsdp"]: 56.0 KiB moved '
                           "per device per step for each")
 
 
@@ -159,7 +159,7 @@ def test_jitted_step_out_shardings_edit_fails_its_golden(fresh, tmp_path):
     assert len(findings) == 6
     # [64, 128] float32 on fsdp x tensor (8 KiB a device) handed back on fsdp only (16 KiB): 8 KiB gathered
     assert findings["params/layers/0/w_up (and opt_state/0/mu, opt_state/0/nu)"] == (
-        'the step hands it back on ["fsdp",null] where it went in on ["fsdp","tensor"]: 8.0 KiB moved per device '
+        'the step hands it back on ["fsdp",null] where the state holds it on ["fsdp","tensor"]: 8.0 KiB moved per device '
         "per step for each")
 
 
@@ -212,6 +212,11 @@ EQX_RUN = textwrap.dedent("""
     out["mesh"] = check()
     eqx_lm.MESH = eqx_lm.MeshConfig(batch_mapping=(("batch", None),))
     out["batch"] = check()
+    eqx_lm.MESH = eqx_lm.MeshConfig(step_mapping=(("embed", "data"), ("mlp", None), ("heads", "model"),
+                                                  ("vocab", "model")))
+    out["step"] = check()
+    from sharding_dump.commands import check as lint
+    out["findings"] = [(f.subject, f.message) for f in lint.lint_case(case) if f.lint == "handback"]
     print(json.dumps(out))
 """)
 
@@ -265,3 +270,17 @@ def test_input_sharding_is_checked_where_it_is_written(kwargs, says):
 
     with pytest.raises(ProgramError, match=re.escape(says)):
         sd.Input(**kwargs)
+
+
+def test_own_mesh_step_mapping_edit_fails_its_golden(eqx_run):
+    """The step's jit takes and returns the state on another mapping (Levanter's axis_resources) than
+    init placed it on: the golden names every leaf taken and handed back otherwise, and `check` lists
+    both ends with the bytes they move."""
+    assert eqx_run["step"].startswith("differs: ")
+    assert 'header taken.model/blocks/0/up/weight  golden "(absent)"  now ["data",null]' in eqx_run["step"]
+    assert 'header returned.model/blocks/1/down/weight  golden "(absent)"  now [null,"data"]' in eqx_run["step"]
+    assert "model/blocks/0/qkv" not in eqx_run["step"]
+    # [64, 128] float32 on data=4 x model=2 (4 KiB a device) taken on data only (8 KiB): 4 KiB gathered
+    assert ("model/blocks/0/up/weight", 'the step takes it on ["data",null] where the state holds it on '
+            '["data","model"]: 4.0 KiB moved per device per step') in [tuple(f) for f in eqx_run["findings"]]
+    assert len(eqx_run["findings"]) == 2 * 4 * 3  # taken and handed back: 4 MLP weights and their 2 moments
