@@ -366,7 +366,7 @@ def check_handback(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findin
         return []
     backs, findings = handed_back(setup, layouts), []
     for end, does in (("taken", "takes it"), ("returned", "hands it back")):
-        per_tensor = {back.path: (diff.compact(back.step), diff.compact(back.held), back.moved_bytes)
+        per_tensor = {back.path: (diff.compact(back.came_back), diff.compact(back.went_in), back.moved_bytes)
                       for back in backs[end]}  # optimizer slots laid out alike fold in
         findings += [Finding("handback", subject, f"the step {does} on {step} where the state holds it on {held}: "
                              f"{tables.format_bytes(moved)} moved per device per step"

@@ -36,7 +36,7 @@ replicated where it took it split over `x` (a `jit(out_shardings=...)` of its ow
 >>> {index: tuple(spec) for index, spec in demanded(closed, [1]).items()}
 {1: (None, 'x')}
 >>> back = hand_backs(returned(closed, 1), [("w", (64, 8), "float32", P("x"))], {"x": 4})
->>> [(b.path, b.held, b.step, b.moved_bytes) for b in back]
+>>> [(b.path, b.went_in, b.came_back, b.moved_bytes) for b in back]
 [('w', ['x', None], [None, None], 1536)]
 
 Each device gathers the three quarters of `w` it lacks (1536 of its 2048 bytes) at the end of every
@@ -216,28 +216,28 @@ def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None, placements: bool)
 
 @dataclasses.dataclass(frozen=True)
 class HandBack:
-    """A state leaf a step lays out otherwise than the state holds it (`held`): handed back in
-    another layout (`step`), it is resharded at the end of every step and brought back to `held`
-    when the next step takes it; taken in another layout (a jit's `in_shardings`), it is resharded
-    at the start of every step and back at its end."""
+    """A state leaf a step lays out otherwise than the state holds it (`went_in`): handed back in
+    another layout (`came_back`), it is resharded at the end of every step and brought back to
+    `went_in` when the next step takes it; taken in another layout (a jit's `in_shardings`, then also
+    `came_back`), it is resharded at the start of every step and back at its end."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
-    held: specs.SpecJson
-    step: specs.SpecJson
+    went_in: specs.SpecJson
+    came_back: specs.SpecJson
     sizes: Mapping[str, int]
 
     @property
     def moved_bytes(self) -> int:
         """Bytes the device that moves most receives per step for this leaf: what it lacks of its shard
         in the step's layout, then what it lacks of its shard in the state's layout again."""
-        axes = sorted({a for spec in (self.held, self.step) for d in range(len(self.shape))
+        axes = sorted({a for spec in (self.went_in, self.came_back) for d in range(len(self.shape))
                        for a in specs.spec_axes(spec, len(self.shape))[d]})
         most = 0
         for coords in itertools.product(*(range(self.sizes[a]) for a in axes)):
             where = dict(zip(axes, coords))
-            a, b = self._box(self.held, where), self._box(self.step, where)
+            a, b = self._box(self.went_in, where), self._box(self.came_back, where)
             common = math.prod(max(0, min(x1, y1) - max(x0, y0)) for (x0, x1), (y0, y1) in zip(a, b))
             most = max(most, _size(a) + _size(b) - 2 * common)
         return most * specs.itemsize(self.dtype)

@@ -342,7 +342,7 @@ def warn_program_layouts(setup: CaseSetup, backs: dict[str, list[HandBack]],
             warnings.warn(ProgramLayoutWarning(
                 f"{setup.case.label}: the step {does} {count} state lea{'f' if count == 1 else 'ves'} in another "
                 f"layout than the state holds {'it' if count == 1 else 'them'} in, resharded every step, e.g. "
-                f"{first.path} {first.held} -> {first.step}; `sharding-dump check` lists them"), stacklevel=2)
+                f"{first.path} {first.went_in} -> {first.came_back}; `sharding-dump check` lists them"), stacklevel=2)
 
 
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
@@ -362,7 +362,7 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
         step_header["batch"]["program_spec"] = {name: own for name, (own, _) in sorted(batch.items())}
     for end in STEP_ENDS:
         if backs[end]:
-            step_header[end] = {back.path: back.step for back in backs[end]}
+            step_header[end] = {back.path: back.came_back for back in backs[end]}
     return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
                                       activation_header=step_header)
 
