@@ -43,7 +43,7 @@ from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import cards, rules, state
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.dump import CaseSetup, case_layouts, trace_activations
+from sharding_dump.zoo.dump import CaseSetup, case_layouts, handed_back, trace_activations
 
 LINT_FILE = DATA_DIR / "lint.yml"
 TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
@@ -54,7 +54,7 @@ class Finding:
     """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
 
     lint: str  # divisibility | unknown-name | unplaced | partition-rule | rank | no-rule | replicated | memory
-    #            | pipeline-layers
+    #            | pipeline-layers | handback
     subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
     message: str
     details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
@@ -359,6 +359,22 @@ def check_pipeline_layers(setup: CaseSetup, layouts: list[TensorLayout]) -> list
          f"pipelined stack, here blocks of {stack.unit_layers} layers: {stack.length} blocks in all",))]
 
 
+def check_handback(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """A user's program whose step takes a state leaf in or hands it back in another layout than the
+    state holds it in: the leaf is resharded every step, there and back."""
+    if setup.config is not None:
+        return []
+    backs, findings = handed_back(setup, layouts), []
+    for end, does in (("taken", "takes it"), ("returned", "hands it back")):
+        per_tensor = {back.path: (diff.compact(back.came_back), diff.compact(back.went_in), back.moved_bytes)
+                      for back in backs[end]}  # optimizer slots laid out alike fold in
+        findings += [Finding("handback", subject, f"the step {does} on {step} where the state holds it on {held}: "
+                             f"{tables.format_bytes(moved)} moved per device per step"
+                             f"{' for each' if ' (and ' in subject else ''}")
+                     for subject, (step, held, moved) in _fold(per_tensor)]
+    return findings
+
+
 def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     """Every finding of `case`, lint by lint."""
     settings = lint_settings()
@@ -371,7 +387,7 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
             + check_names(setup, settings.known_logical_axes, layouts, activation_axes)
             + check_placement(setup, layouts)
             + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts)
-            + check_pipeline_layers(setup, layouts))
+            + check_pipeline_layers(setup, layouts) + check_handback(setup, layouts))
 
 
 def parse_tolerance(text: str) -> float:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import state as core_state
 from sharding_dump.core.boundary import UserCodeError, guard
@@ -63,15 +63,25 @@ class Input:
     """One field of the batch: its shape (ints, or `batch` / `length` for the case's global batch
     size and sequence length), dtype and logical axes. Without logical axes the field is placed like
     the tokens (the rule file's input axes, else the data pipeline's layout) on its first two
-    dimensions."""
+    dimensions. `sharding` is the program's own data sharding instead (Kauldron's `sharding.ds`):
+    the layout its own data pipeline hands the field over in, a PartitionSpec of mesh axes or a
+    NamedSharding on the case's mesh; the golden records it as the program's batch layout."""
 
     shape: tuple[int | str, ...] = SIZES
     dtype: str = "int32"
     logical_axes: tuple[str | None, ...] | None = None
+    sharding: PartitionSpec | NamedSharding | None = None
 
     def __post_init__(self) -> None:
         """Checked where it is written, so the line names the argument rather than a later trace."""
         shape, axes = self.shape, self.logical_axes
+        spec = self.sharding.spec if isinstance(self.sharding, NamedSharding) else self.sharding
+        if spec is not None and not isinstance(spec, PartitionSpec) or spec is not None and len(spec) > len(shape):
+            raise ProgramError(f"Input(sharding={shown(self.sharding)}): give None, a PartitionSpec of mesh axes "
+                               "of at most one entry per dimension, or a NamedSharding")
+        if spec is not None and axes is not None:
+            raise ProgramError(f"Input(logical_axes={shown(axes)}, sharding={shown(self.sharding)}): give one of "
+                               "them: logical axes the rule file places, or the program's own sharding")
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not all(
                 isinstance(d, str) and d in SIZES or isinstance(d, int) and not isinstance(d, bool) and d >= 0
                 for d in shape):
@@ -359,10 +369,12 @@ class ModelProgram:
                    input_spec: PartitionSpec | None) -> Step:
         """The harness's next-token step over this model's call."""
         step = next_token_step(model.apply, optimizer, None, logits=self.pick_logits, streams=self.streams())
-        own = {name: f.logical_axes for name, f in self.batch_fields().items()}
+        fields = self.batch_fields()
+        own = {name: f.logical_axes for name, f in fields.items()}
+        shardings = {name: f.sharding for name, f in fields.items()}
 
         def placed(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any]:
-            return step(state, place_batch(batch, input_axes, input_spec, own))
+            return step(state, place_batch(batch, input_axes, input_spec, own, shardings))
 
         return placed
 
@@ -420,12 +432,16 @@ class TrainProgram:
         """`init(key)` traced once, abstractly, and {leaf path: spec} of every leaf the program placed
         itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint, or the sharding in its
         type on an Explicit mesh), each such leaf carrying that sharding in its type, on an Auto mesh
-        as on an Explicit one (:mod:`sharding_dump.core.placement`)."""
+        as on an Explicit one (:mod:`sharding_dump.core.placement`). An init that places its state on
+        a mesh of its own other than the current one is refused (:func:`~sharding_dump.core.handback.
+        check_mesh`)."""
+        from sharding_dump.core.handback import check_mesh
         from sharding_dump.core.placement import declared_specs, placed_outputs
 
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
+        check_mesh(closed, jax.sharding.get_abstract_mesh(), f"the program's init {_name(self.init)}")
         if not jax.tree.leaves(shapes):
             raise ProgramError(f"the program's init {_name(self.init)} returned {describe(shapes)}, a state with no "
                                "arrays; the interface expects the training state: its parameters and optimizer state")
@@ -433,11 +449,13 @@ class TrainProgram:
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""
-        own = {name: f.logical_axes for name, f in self.batch_fields().items()}
+        fields = self.batch_fields()
+        own = {name: f.logical_axes for name, f in fields.items()}
+        shardings = {name: f.sharding for name, f in fields.items()}
 
         def step(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any]:
             state = unbox(state)
-            batch = place_batch(batch, input_axes, input_spec, own)
+            batch = place_batch(batch, input_axes, input_spec, own, shardings)
             with user_code(f"the program's train_step {_name(self.train_step)}", call_text("train_step", [
                     "state", batch]), "train_step(state, batch) returns (new state, metrics)"):
                 out = self.train_step(state, batch)
