@@ -152,7 +152,6 @@ def project_of(args: argparse.Namespace) -> Project:
 def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case]:
     """The case the options name, or every case of the project's case files under --all; all of them
     validated (mesh, settings, model) so that every bad input surfaces before any work or output."""
-    from sharding_dump.zoo import maxtext_config
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.dump import setup_case
     from sharding_dump.zoo.matrix import load_project_cases
@@ -173,7 +172,7 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
             raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
         if getattr(args, "cases", None):
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
-        overrides, notes = maxtext_config.layout_neutral(parse_assignments(args.settings))
+        overrides, notes = _layout_neutral(parse_assignments(args.settings))
         if verb == "verifies":
             for note in notes:
                 print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
@@ -182,6 +181,16 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
     for case in cases:
         setup_case(case)
     return cases
+
+
+def _layout_neutral(assignments: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """maxtext_config.layout_neutral, read (with MaxText's key table) only when KEY=VALUE are given:
+    a plain `--model` dump reads no MaxText data."""
+    if not assignments:
+        return {}, []
+    from sharding_dump.zoo import maxtext_config
+
+    return maxtext_config.layout_neutral(assignments)
 
 
 def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:

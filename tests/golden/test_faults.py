@@ -131,12 +131,13 @@ def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path, 
     project = pytest_project(tmp_path)
     # Step 9: between the second and third file of the second case, the first case done (the library
     # test above kills at every step).
+    # -j 2 at step 4: each case in a worker of its own, killed in its first write; the command says so.
     runs = {}
-    for point in (9,):
+    for point, jobs in ((9, "1"), (4, "2")):
         root = tmp_path / f"cli{point}"
         plant_old(root)
         env = {**os.environ, "PYTHONPATH": str(REPO), store.FAULT_ENV: str(point)}
-        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.cli", "--all",
+        runs[root] = subprocess.Popen([sys.executable, "-m", "sharding_dump.commands.cli", "--all", "-j", jobs,
                                        "--cases", str(case_file), "--output-dir", str(root)],
                                       env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     plant_old(project / "golden")
@@ -152,7 +153,10 @@ def test_killed_cli_all_and_pytest_update_goldens_leave_whole_folders(tmp_path, 
         out, err = process.communicate(timeout=600)
         if root.name == "golden":
             assert process.returncode != 0, out.decode()[-2000:]  # the worker running the write died
+        elif root.name == "cli4":
+            assert process.returncode == 1, err.decode()[-2000:]
+            assert err.decode().splitlines()[-1].startswith("sharding-dump: error: a worker process died"), err
         else:
             assert process.returncode == -9, err.decode()[-2000:]
         seen[root.name] = check_killed_tree(root, fresh)
-    assert seen == {"cli9": ["new", "old"], "golden": ["old", "old"]}
+    assert seen == {"cli9": ["new", "old"], "cli4": ["old", "old"], "golden": ["old", "old"]}
