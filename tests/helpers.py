@@ -136,3 +136,17 @@ def assert_bad_input(tmp_path, capsys, args: str, message: str) -> None:
     assert captured.out == "" and captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("sharding-dump: error: ") and message in captured.err, captured.err
     assert not out.exists()
+
+
+def fresh_programs(monkeypatch: pytest.MonkeyPatch, caches: Iterable[Any]) -> Iterable[pytest.MonkeyPatch]:
+    """A fixture body: in the repository's folder, with every cache of user programs in `caches` (their
+    `cache_clear`) forgotten before and after, so an edit of an example module made through the yielded
+    monkeypatch is what the next dump builds."""
+    caches = list(caches)
+    monkeypatch.chdir(REPO)
+    for cached in caches:
+        cached.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    for cached in caches:
+        cached.cache_clear()

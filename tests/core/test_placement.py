@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
-from helpers import REPO
+from helpers import REPO, fresh_programs
 from sharding_dump.commands import cli
 from sharding_dump.core import documents
 from sharding_dump.core.layout import resolve
@@ -50,19 +50,18 @@ def make_case(spec: tuple) -> Case:
     return Case.make(model, topology, str(REPO / rule), overrides=overrides)
 
 
+PROGRAM_CACHES = (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded)
+
+
 def forget_programs() -> None:
     """Forget every program built in this process: the next dump builds the edited one."""
-    for cached in (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded):
+    for cached in PROGRAM_CACHES:
         cached.cache_clear()
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.chdir(REPO)
-    forget_programs()
-    yield monkeypatch
-    monkeypatch.undo()
-    forget_programs()
+    yield from fresh_programs(monkeypatch, PROGRAM_CACHES)
 
 
 def layouts_of(spec: tuple) -> dict[str, sd.TensorLayout]:
