@@ -30,6 +30,12 @@ class UnevenSplitWarning(UserWarning):
     The dump still succeeds (exit 0); the CLI prints it as one `sharding-dump: warning:` line."""
 
 
+class ProgramLayoutWarning(UserWarning):
+    """The program decides a layout otherwise than the case does: its step takes its batch in another
+    layout than the rule file's data_sharding, or hands state back in another layout than it took it
+    in. The golden records the program's; the CLI prints it as one `sharding-dump: warning:` line."""
+
+
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     """`repr(value)`, cut to `limit` characters plus its length when longer: a message never
     echoes a 100,000-character name back in full."""

@@ -43,7 +43,7 @@ from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import cards, rules, state
 from sharding_dump.zoo.case import Case
-from sharding_dump.zoo.dump import CaseSetup, case_layouts, trace_activations
+from sharding_dump.zoo.dump import CaseSetup, case_layouts, handed_back, trace_activations
 
 LINT_FILE = DATA_DIR / "lint.yml"
 TOP_TENSORS = 5  # tensors listed under a replicated or memory finding
@@ -54,7 +54,7 @@ class Finding:
     """One problem of a case: which lint, which tensor, what is wrong, and the rule line(s) behind it."""
 
     lint: str  # divisibility | unknown-name | unplaced | partition-rule | rank | no-rule | replicated | memory
-    #            | pipeline-layers
+    #            | pipeline-layers | handback
     subject: str  # the tensor (optimizer slots folded in), the rule, or what the numbers are about
     message: str
     details: tuple[str, ...] = ()  # "rule: file:line  [name, axes]" lines, tensors with their rules
@@ -359,6 +359,17 @@ def check_pipeline_layers(setup: CaseSetup, layouts: list[TensorLayout]) -> list
          f"pipelined stack, here blocks of {stack.unit_layers} layers: {stack.length} blocks in all",))]
 
 
+def check_handback(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
+    """A user's program whose step hands a state leaf back in another layout than it took it in: the
+    leaf is resharded at the end of every step and again when the next step takes it."""
+    if setup.config is not None:
+        return []
+    return [Finding("handback", back.path,
+                    f"the step hands it back on {diff.compact(back.came_back)} where it went in on "
+                    f"{diff.compact(back.went_in)}: {tables.format_bytes(back.moved_bytes)} moved per device per step")
+            for back in handed_back(setup, layouts)]
+
+
 def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     """Every finding of `case`, lint by lint."""
     settings = lint_settings()
@@ -371,7 +382,7 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
             + check_names(setup, settings.known_logical_axes, layouts, activation_axes)
             + check_placement(setup, layouts)
             + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts)
-            + check_pipeline_layers(setup, layouts))
+            + check_pipeline_layers(setup, layouts) + check_handback(setup, layouts))
 
 
 def parse_tolerance(text: str) -> float:

@@ -34,11 +34,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sharding_dump.core.handback import producer_spec
 from sharding_dump.errors import BadInput, shown
 
 SOURCES = ("type", "box", "params_axes", "regex", "none")  # where a leaf's spec came from, by precedence
 AXES_COLLECTION = "params_axes"  # flax.linen.partitioning's collection of per-parameter axis names
-_JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
 
 
 class AxesBox(nn.Partitioned):
@@ -54,39 +54,6 @@ def _named(sharding: Any) -> PartitionSpec | None:
     return _sharded(sharding.spec) if isinstance(sharding, NamedSharding) else None
 
 
-def _given(sharding: Any) -> PartitionSpec | None:
-    """The spec of a sharding a program gave explicitly (replicated included: it said so)."""
-    return sharding.spec if isinstance(sharding, NamedSharding) else None
-
-
-def _producers(jaxpr: Any) -> dict[int, tuple[Any, int]]:
-    """{id(var): (equation, output index)} of every variable an equation of `jaxpr` makes."""
-    return {id(out): (eqn, i) for eqn in jaxpr.eqns for i, out in enumerate(eqn.outvars)}
-
-
-def _producer_spec(jaxpr: Any, var: Any, made: dict[int, dict[int, tuple[Any, int]]]) -> PartitionSpec | None:
-    """The spec the equation producing `var` declares (following it into a jit's body), if any;
-    `made` holds each jaxpr's producers, by id, as they are first needed."""
-    if id(jaxpr) not in made:
-        made[id(jaxpr)] = _producers(jaxpr)
-    found = made[id(jaxpr)].get(id(var))
-    if found is None:  # an input passed through
-        return None
-    eqn, index = found
-    name, params = eqn.primitive.name, eqn.params
-    if name in _JIT:
-        inner = params["jaxpr"].jaxpr
-        declared = _given(params["out_shardings"][index])
-        return declared if declared is not None else _producer_spec(inner, inner.outvars[index], made)
-    if name == "sharding_constraint":
-        return _given(params["sharding"])
-    if name == "reshard":
-        return _given(params["dst_sharding"])
-    if name == "device_put":
-        return _given(params["devices"][index])
-    return None
-
-
 def declared_specs(closed: Any) -> list[PartitionSpec | None]:
     """Per output of a traced init (a ClosedJaxpr), the spec the program gives it: what the equation
     producing it declares (a jit's `out_shardings`, a constraint, a `reshard` or `device_put`,
@@ -98,7 +65,7 @@ def declared_specs(closed: Any) -> list[PartitionSpec | None]:
         if isinstance(var, jax.extend.core.Literal):
             out.append(None)
             continue
-        declared = _producer_spec(closed.jaxpr, var, made)
+        declared = producer_spec(closed.jaxpr, var, made)
         out.append(declared if declared is not None else _named(getattr(var.aval, "sharding", None)))
     return out
 

@@ -428,12 +428,16 @@ class TrainProgram:
         """`init(key)` traced once, abstractly, and {leaf path: spec} of every leaf the program placed
         itself (`jit(out_shardings=)`, `reshard`, `device_put`, a constraint, or the sharding in its
         type on an Explicit mesh), each such leaf carrying that sharding in its type, on an Auto mesh
-        as on an Explicit one (:mod:`sharding_dump.core.placement`)."""
+        as on an Explicit one (:mod:`sharding_dump.core.placement`). An init that places its state on
+        a mesh of its own other than the current one is refused (:func:`~sharding_dump.core.handback.
+        check_mesh`)."""
+        from sharding_dump.core.handback import check_mesh
         from sharding_dump.core.placement import declared_specs, placed_outputs
 
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
+        check_mesh(closed, jax.sharding.get_abstract_mesh(), f"the program's init {_name(self.init)}")
         if not jax.tree.leaves(shapes):
             raise ProgramError(f"the program's init {_name(self.init)} returned {describe(shapes)}, a state with no "
                                "arrays; the interface expects the training state: its parameters and optimizer state")

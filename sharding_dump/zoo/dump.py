@@ -16,11 +16,13 @@ import warnings
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr
+from jax.sharding import PartitionSpec
 
 from sharding_dump import models
 from sharding_dump.core import documents, specs
 from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
 from sharding_dump.core.gc_policy import fewer_collections
+from sharding_dump.core.handback import HandBack, check_mesh, demanded, hand_backs, returned
 from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
@@ -28,7 +30,7 @@ from sharding_dump.core.placement import box_params_axes, placed
 from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
 from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
-from sharding_dump.errors import BadInput, UnevenSplitWarning
+from sharding_dump.errors import BadInput, ProgramLayoutWarning, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.pipeline import PipelineConfig
 from sharding_dump.zoo import cards, optimizers, rules, serving, settings, state
@@ -301,16 +303,67 @@ def warn_uneven(setup: CaseSetup, layouts: list[TensorLayout]) -> None:
         stacklevel=2)
 
 
+def handed_back(setup: CaseSetup, layouts: list[TensorLayout]) -> list[HandBack]:
+    """The state leaves the case's step hands back in another layout than the state holds them in."""
+    returned_specs = dict(step_reading(setup).returned)
+    went = [t for t in layouts if t.path in returned_specs]
+    return hand_backs([returned_specs[t.path] for t in went],
+                      [(t.path, t.shape, t.dtype, t.partition_spec) for t in went], setup.plan.sizes)
+
+
+def program_batch(setup: CaseSetup) -> dict[str, tuple[specs.SpecJson, specs.SpecJson]]:
+    """{batch field: (the program's spec, the rule file's)} of every field the program's step takes
+    in a layout of its own (its jit's in_shardings, a constraint or reshard at its top)."""
+    fields = case_batch(setup)
+    placed_by_rules = {c.name: c.partition_spec for c in step_reading(setup).constraints
+                       if c.pass_ == "forward" and not c.module and c.name in fields}
+    out = {}
+    for name, spec in step_reading(setup).batch:
+        ndim = fields[name].ndim
+        rule = placed_by_rules.get(name, setup.batch.pipeline_spec)
+        out[name] = (specs.spec_to_json(spec, ndim), specs.spec_to_json(rule, ndim))
+    return out
+
+
+def warn_program_layouts(setup: CaseSetup, backs: list[HandBack],
+                         batch: dict[str, tuple[specs.SpecJson, specs.SpecJson]]) -> None:
+    """Says aloud (ProgramLayoutWarning) where the program lays out otherwise than the case: its batch
+    against the rule file's data_sharding, and the state its step hands back."""
+    sizes = setup.plan.sizes
+    for name, (own, rule) in sorted(batch.items()):
+        if specs.spec_to_json(own, len(own), sizes) != specs.spec_to_json(rule, len(rule), sizes):
+            warnings.warn(ProgramLayoutWarning(
+                f"{setup.case.label}: the program's step takes batch field {name!r} on {own}, where the rule file's "
+                f"data_sharding places it on {rule}; the golden holds the program's"), stacklevel=2)
+    if backs:
+        first = backs[0]
+        warnings.warn(ProgramLayoutWarning(
+            f"{setup.case.label}: the step hands {len(backs)} state lea{'f' if len(backs) == 1 else 'ves'} back in "
+            f"another layout than {'it' if len(backs) == 1 else 'they'} went in, resharded every step, e.g. "
+            f"{first.path} {first.went_in} -> {first.came_back}; `sharding-dump check` lists them"), stacklevel=2)
+
+
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
-    """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits unevenly)."""
+    """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits
+    unevenly, ProgramLayoutWarning where the program lays out otherwise than the case). A user's
+    program adds to the activations' header what it decides itself: `batch.program_spec`, the layout
+    it takes each batch field in, and `returned`, the layout of every state leaf its step hands back
+    otherwise than the state holds it."""
     with fewer_collections():
         setup, layouts = case_layouts(case)
         warn_uneven(setup, layouts)
         if serving.serving_program(case) is not None:
             return serving.serving_documents(serving.traced_of(setup), header(setup), setup.plan.abstract_mesh())
         constraints = trace_activations(setup)
+        backs, batch = handed_back(setup, layouts), program_batch(setup)
+        warn_program_layouts(setup, backs, batch)
+    step_header: dict[str, Any] = {"batch": setup.batch.header()}
+    if batch:
+        step_header["batch"]["program_spec"] = {name: own for name, (own, _) in sorted(batch.items())}
+    if backs:
+        step_header["returned"] = {back.path: back.came_back for back in backs}
     return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
-                                      activation_header={"batch": setup.batch.header()})
+                                      activation_header=step_header)
 
 
 def case_model(setup: CaseSetup) -> Model:
@@ -370,6 +423,23 @@ def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
 def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
     """Every activation constraint of one training step of the case's model on its mesh (traced once
     per process for setups with equal step inputs: the golden dump and `check` of a case share it)."""
+    return step_reading(setup).constraints
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReading:
+    """What one traced training step of the case holds: its activation placements, and what a user's
+    program decides in it (:mod:`sharding_dump.core.handback`): {state leaf: the spec the step hands
+    it back on} where the step declares one, {batch field: the spec the program takes it on} where it
+    demands one."""
+
+    constraints: tuple[Constraint, ...]
+    returned: tuple[tuple[str, PartitionSpec], ...] = ()
+    batch: tuple[tuple[str, PartitionSpec], ...] = ()
+
+
+def step_reading(setup: CaseSetup) -> StepReading:
+    """The case's traced step read once per process (see :func:`trace_activations`)."""
     return _recorded(_StepOf(setup.step_inputs(), setup))
 
 
@@ -380,8 +450,25 @@ class _StepOf:
 
 
 @functools.lru_cache(maxsize=CASES_PER_PROCESS)
-def _recorded(step: _StepOf) -> tuple[Constraint, ...]:
-    return tuple(read_constraints(*trace_case(step.setup)))
+def _recorded(step: _StepOf) -> StepReading:
+    setup = step.setup
+    closed, rec = trace_case(setup)
+    constraints = tuple(read_constraints(closed, rec))
+    if setup.config is not None:  # the zoo's own step decides nothing the rule file does not
+        return StepReading(constraints)
+    import jax
+
+    from sharding_dump.core.layout import path_text
+
+    check_mesh(closed, setup.step_mesh(), "the program's step")
+    state = [path_text(key) for key, _ in jax.tree_util.tree_leaves_with_path(abstract_state_of(setup))]
+    back = tuple((path, spec) for path, spec in zip(state, returned(closed, len(state))) if spec is not None)
+    fields = [path_text(key) for key, _ in jax.tree_util.tree_leaves_with_path(case_batch(setup))]
+    batch = []
+    for index, name in enumerate(fields, start=len(state)):
+        skip = f"activation:{name}@{rec.token}."  # the harness's own placement of the field, made first
+        batch += [(name, spec) for spec in demanded(closed, [index], skip).values()]
+    return StepReading(constraints, back, tuple(batch))
 
 
 def render_case(case: Case) -> dict[str, bytes]:

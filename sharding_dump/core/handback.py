@@ -1,0 +1,267 @@
+"""What a traced program decides about its own arrays, read from its jaxpr: the mesh its shardings
+live on, the layout it demands of its inputs, and the layout of what it hands back.
+
+A program decides these where the harness would otherwise decide for it:
+
+* **its mesh**: a program that builds its own concrete mesh (`jax.make_mesh(...)` over
+  `jax.devices()`, Levanter's `trainer.mesh`, Kauldron's sharding) places its arrays on that mesh, in
+  `jit` in/out shardings, constraints, `reshard` and `device_put`. :func:`meshes` reads every mesh a
+  traced function names; :func:`check_mesh` refuses, in one line naming both, a mesh other than the
+  case's (dumped on the case's mesh, its specs would describe another program).
+* **the layout it takes its inputs in**: its step's `jit(in_shardings=...)`, or a constraint,
+  `reshard` or `device_put` the input meets first (:func:`demanded`).
+* **the layout it hands its state back in**: the step's `jit(out_shardings=...)`, a constraint on
+  what it returns, or (on an Explicit mesh) the sharding in the output's type (:func:`returned`). A
+  leaf that comes back in another layout than it went in is resharded every step:
+  :class:`HandBack` says how many bytes one device moves for it.
+
+Any traced function whose outputs are the next value of some of its inputs (a training step's state,
+a serving step's KV cache) is read the same way. A worked example: a step that returns its weight
+replicated where it took it split over `x` (a `jit(out_shardings=...)` of its own):
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+>>> mesh = AbstractMesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+>>> def step(w, batch):
+...     m = jax.sharding.get_abstract_mesh()
+...     batch = jax.sharding.reshard(batch, P(None, "x"))                   # its own batch layout
+...     return jax.jit(lambda w, b: (w + b.sum(), b.mean()),
+...                    out_shardings=(NamedSharding(m, P()), NamedSharding(m, P())))(w, batch)
+>>> w, batch = (jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("x")))
+...             for shape in ((64, 8), (8, 8)))
+>>> with jax.sharding.use_abstract_mesh(mesh):
+...     closed = jax.make_jaxpr(step)(w, batch)
+>>> [(name, size) for name, size in meshes(closed)[0][0]]
+[('x', 4)]
+>>> {index: tuple(spec) for index, spec in demanded(closed, [1]).items()}
+{1: (None, 'x')}
+>>> back = hand_backs(returned(closed, 1), [("w", (64, 8), "float32", P("x"))], {"x": 4})
+>>> [(b.path, b.went_in, b.came_back, b.moved_bytes) for b in back]
+[('w', ['x', None], [None, None], 1536)]
+
+Each device gathers the three quarters of `w` it lacks (1536 of its 2048 bytes) at the end of every
+step, and drops them again when the next step takes `w` split over `x`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sharding_dump.core import specs
+from sharding_dump.errors import BadInput
+
+MeshShape = tuple[tuple[str, int], ...]  # ((axis name, size), ...) in the mesh's order
+_JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
+_PLACING = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}  # primitive -> its sharding param
+
+
+# --- the mesh -------------------------------------------------------------------------------------------
+
+def mesh_shape(mesh: Any) -> MeshShape:
+    """((axis name, size), ...) of a concrete or abstract mesh."""
+    return tuple((str(name), int(size)) for name, size in mesh.shape.items())
+
+
+def mesh_text(shape: MeshShape) -> str:
+    """`data=2 x model=4`."""
+    return " x ".join(f"{name}={size}" for name, size in shape)
+
+
+def _shardings(value: Any) -> Iterator[NamedSharding]:
+    if isinstance(value, NamedSharding):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _shardings(item)
+
+
+def _all_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
+    inner = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    for eqn in inner.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _all_equations(sub)
+
+
+def meshes(closed: ClosedJaxpr) -> list[tuple[MeshShape, str]]:
+    """Every distinct mesh the traced function's own shardings name (a jit's in/out shardings, a
+    constraint, `reshard`, `device_put`, an output sharding), each with the first equation naming it
+    (`jit create`, `sharding_constraint`), in trace order."""
+    found: dict[MeshShape, str] = {}
+    for eqn in _all_equations(closed):
+        for key, value in eqn.params.items():
+            for sharding in _shardings(value):
+                shape = mesh_shape(sharding.mesh)
+                if shape and shape not in found:  # an empty mesh is jax's own "no mesh"
+                    name = eqn.params.get("name") if eqn.primitive.name in _JIT else None
+                    found[shape] = f"{eqn.primitive.name} {name}" if name else f"{eqn.primitive.name} {key}"
+    return list(found.items())
+
+
+def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh") -> None:
+    """BadInput, one line naming both meshes, when `what` (e.g. `the program's init`) places its arrays
+    on a mesh whose axis names or sizes are not `mesh`'s: the dump would lay the program's specs on
+    another mesh than the one it runs on."""
+    want = mesh_shape(mesh)
+    for shape, where in meshes(closed):
+        if shape != want:
+            raise BadInput(f"{what} places its arrays on its own mesh {mesh_text(shape)} ({where}), not on "
+                           f"{case_mesh} {mesh_text(want)}: give the case the program's mesh (the rule file's "
+                           "mesh_axes and the ici_/dcn_*_parallelism settings), or build the program's mesh "
+                           "with the case's device count (jax.devices()) or from jax.sharding.get_abstract_mesh()")
+
+
+# --- what the program declares --------------------------------------------------------------------------
+
+def _given(sharding: Any) -> PartitionSpec | None:
+    """The spec of a sharding a program gave explicitly (replicated included: it said so)."""
+    return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def producer_spec(jaxpr: Jaxpr, var: Any, made: dict[int, dict[int, tuple[Any, int]]]) -> PartitionSpec | None:
+    """The spec the equation producing `var` declares (following it into a jit's body): a jit's
+    `out_shardings`, a constraint, `reshard` or `device_put`; None for an input passed through or an
+    equation that declares nothing. `made` holds each jaxpr's producers, by id, as they are needed."""
+    if id(jaxpr) not in made:
+        made[id(jaxpr)] = {id(out): (eqn, i) for eqn in jaxpr.eqns for i, out in enumerate(eqn.outvars)}
+    found = made[id(jaxpr)].get(id(var))
+    if found is None:
+        return None
+    eqn, index = found
+    name, params = eqn.primitive.name, eqn.params
+    if name in _JIT:
+        inner = params["jaxpr"].jaxpr
+        declared = _given(params["out_shardings"][index])
+        return declared if declared is not None else producer_spec(inner, inner.outvars[index], made)
+    if name in _PLACING:
+        return _given(params[_PLACING[name]])
+    if name == "device_put":
+        return _given(params["devices"][index])
+    return None
+
+
+def _typed(aval: Any) -> PartitionSpec | None:
+    """The sharding in an output's type on a mesh with Explicit axes (replicated included)."""
+    sharding = getattr(aval, "sharding", None)
+    kinds = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding.spec if any(k == jax.sharding.AxisType.Explicit for k in kinds) else None
+
+
+def returned(closed: ClosedJaxpr, count: int) -> list[PartitionSpec | None]:
+    """Per each of the first `count` outputs, the layout the function hands it back in: what the
+    equation producing it declares, else the sharding in its type on an Explicit mesh, else None
+    (on an Auto mesh nothing was decided: the compiler chooses)."""
+    made: dict[int, dict[int, tuple[Any, int]]] = {}
+    out: list[PartitionSpec | None] = []
+    for var in closed.jaxpr.outvars[:count]:
+        if isinstance(var, jax.extend.core.Literal):
+            out.append(None)
+            continue
+        declared = producer_spec(closed.jaxpr, var, made)
+        out.append(declared if declared is not None else _typed(var.aval))
+    return out
+
+
+def demanded(closed: ClosedJaxpr, indices: Iterable[int], skip: str | None = None) -> dict[int, PartitionSpec]:
+    """{input index: spec} of the inputs the function demands a layout of: the first placement the
+    input meets, a constraint, `reshard` or `device_put` of it, or a jit taking it with an
+    `in_shardings` entry (else the first placement inside that jit's body). Placements whose name
+    stack holds `skip` (the harness's own, made before the program runs) are followed through."""
+    found = {}
+    for index in indices:
+        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip)
+        if spec is not None:
+            found[index] = spec
+    return found
+
+
+def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None) -> PartitionSpec | None:
+    for eqn in jaxpr.eqns:
+        positions = [i for i, v in enumerate(eqn.invars) if v is var]
+        if not positions:
+            continue
+        name, at = eqn.primitive.name, positions[0]
+        if name in _PLACING or name == "device_put":
+            sharding = eqn.params[_PLACING[name]] if name in _PLACING else eqn.params["devices"][at]
+            if skip is not None and skip in str(eqn.source_info.name_stack):
+                return _first_placement(jaxpr, eqn.outvars[at], skip)
+            spec = _given(sharding)
+            if spec is not None:
+                return spec
+        elif name in _JIT:
+            spec = _given(eqn.params["in_shardings"][at])
+            if spec is not None:
+                return spec
+            inner = eqn.params["jaxpr"].jaxpr
+            spec = _first_placement(inner, inner.invars[at], skip)
+            if spec is not None:
+                return spec
+    return None
+
+
+# --- what a leaf handed back in another layout costs ----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class HandBack:
+    """A leaf a step hands back in another layout than it took it in: the step reshards it to
+    `came_back` at its end, and the next step brings it back to `went_in` (its jit's in_shardings, or
+    the state's type) at its start."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    went_in: specs.SpecJson
+    came_back: specs.SpecJson
+    sizes: Mapping[str, int]
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes the device that moves most receives per step for this leaf: what it lacks of its shard
+        in the returned layout, then what it lacks of its shard in the state's layout again."""
+        axes = sorted({a for spec in (self.went_in, self.came_back) for d in range(len(self.shape))
+                       for a in specs.spec_axes(spec, len(self.shape))[d]})
+        most = 0
+        for coords in itertools.product(*(range(self.sizes[a]) for a in axes)):
+            where = dict(zip(axes, coords))
+            a, b = self._box(self.went_in, where), self._box(self.came_back, where)
+            common = math.prod(max(0, min(x1, y1) - max(x0, y0)) for (x0, x1), (y0, y1) in zip(a, b))
+            most = max(most, _size(a) + _size(b) - 2 * common)
+        return most * specs.itemsize(self.dtype)
+
+    def _box(self, spec: specs.SpecJson, where: Mapping[str, int]) -> list[tuple[int, int]]:
+        """The index range of each dimension one device holds (ragged splits padded, as XLA does)."""
+        box = []
+        for dim, axes in zip(self.shape, specs.spec_axes(spec, len(self.shape))):
+            index, count = 0, 1
+            for axis in axes:
+                index, count = index * self.sizes[axis] + where[axis], count * self.sizes[axis]
+            chunk = -(-dim // count)
+            box.append((min(dim, index * chunk), min(dim, (index + 1) * chunk)))
+        return box
+
+
+def _size(box: Sequence[tuple[int, int]]) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def hand_backs(back: Sequence[PartitionSpec | None], leaves: Sequence[tuple[str, tuple[int, ...], str, Any]],
+               sizes: Mapping[str, int]) -> list[HandBack]:
+    """The leaves (path, shape, dtype, the spec they went in with) whose returned spec `back` (one per
+    leaf, None: undecided) lays them out otherwise on a mesh of `sizes`; axes of size 1 split nothing,
+    so a spec that differs only by them is the same layout."""
+    out = []
+    for spec, (path, shape, dtype, went) in zip(back, leaves):
+        if spec is None:
+            continue
+        ndim = len(shape)
+        if specs.spec_to_json(spec, ndim, sizes) != specs.spec_to_json(went, ndim, sizes):
+            out.append(HandBack(path, tuple(shape), dtype, specs.spec_to_json(went, ndim),
+                                specs.spec_to_json(spec, ndim), dict(sizes)))
+    return out
