@@ -38,7 +38,8 @@ import jax
 from jax.extend.core import ClosedJaxpr
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding_dump.core.capture import Constraint, read_constraints, recording
+from sharding_dump.core.capture import Constraint, explicit_mesh, read_constraints, recording
+from sharding_dump.core.handback import check_mesh, returned
 from sharding_dump.core.layout import path_text, unbox
 from sharding_dump.core.program import SERVING_SIZES as SIZES
 from sharding_dump.core.program import Input, ProgramError, call_text, describe, user_code
@@ -170,9 +171,10 @@ class ServingProgram:
 
 @dataclasses.dataclass(frozen=True)
 class StepTrace:
-    """One step as traced: per state leaf path the spec it is taken in and handed back in (None: not
-    placed, XLA's propagation decides), its inputs' and outputs' abstract values (outputs with the spec
-    the step gives them), and its activation placements."""
+    """One step as traced: per state leaf path the spec it is taken in (the state's: a server passes
+    the state it holds) and handed back in (None: not placed, the compiler decides), its inputs' and
+    outputs' abstract values (outputs with the spec the step gives them), and its activation
+    placements."""
 
     name: str
     requests: int
@@ -202,24 +204,6 @@ def init_state(program: ServingProgram, settings: ServingSettings, key: Any) -> 
     return shapes, closed
 
 
-def _specs_out(closed: ClosedJaxpr, shapes: Any) -> list[PartitionSpec | None]:
-    """Per output leaf, the spec the step hands it back in: the sharding in its type on an Explicit
-    mesh, else what the program declared for it (jit out_shardings, a constraint, reshard)."""
-    from sharding_dump.core.placement import declared_specs
-
-    declared = declared_specs(closed)
-    out = []
-    for leaf, spec in zip(jax.tree.leaves(shapes), declared):
-        sharding = getattr(leaf, "sharding", None)
-        typed = sharding.spec if isinstance(sharding, NamedSharding) and _explicit(sharding.mesh) else None
-        out.append(typed if typed is not None else spec)
-    return out
-
-
-def _explicit(mesh: Any) -> bool:
-    return any(kind == jax.sharding.AxisType.Explicit for kind in getattr(mesh, "axis_types", ()))
-
-
 def _flat(tree: Any) -> list[tuple[str, Any]]:
     return [(path_text(k), v) for k, v in jax.tree_util.tree_leaves_with_path(tree)]
 
@@ -237,7 +221,7 @@ def trace_steps(program: ServingProgram, settings: ServingSettings, state: Any, 
         inputs: dict[str, Any] = {}
         for field, spec in step.inputs.items():
             abstract = spec.sized(settings.sizes())
-            if _explicit(mesh):
+            if explicit_mesh():
                 abstract = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype,
                                                 sharding=NamedSharding(mesh, input_spec(spec)))
             inputs[field] = abstract
@@ -247,14 +231,15 @@ def trace_steps(program: ServingProgram, settings: ServingSettings, state: Any, 
                        f"{name}(state, inputs, settings) returns (new state, outputs)"), recording() as rec:
             closed, (new_state, outputs) = _traced(step.fn, state, inputs, settings, name)
         _check_state(name, state, new_state)
-        specs = _specs_out(closed, (new_state, outputs))
+        check_mesh(closed, mesh, f"the program's {name} step")
         count = len(jax.tree.leaves(new_state))
+        specs = returned(closed, count + len(jax.tree.leaves(outputs)))
         out_state = {path: spec for (path, _), spec in zip(_flat(new_state), specs[:count])}
         out_leaves = {path: (jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), spec)
                       for (path, leaf), spec in zip(_flat(outputs), specs[count:])}
         outputs_of[name] = jax.tree.map(
             lambda leaf, spec: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
-            if spec is not None and _explicit(mesh) else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
+            if spec is not None and explicit_mesh() else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),
             outputs, jax.tree.unflatten(jax.tree.structure(outputs), specs[count:]),
             is_leaf=lambda x: x is None)
         try:

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 
 from sharding_dump.core import documents, specs
 from sharding_dump.core.format import SERVING_FILE, document
+from sharding_dump.core.handback import HandBack, hand_backs
 from sharding_dump.core.layout import TensorLayout, per_device_totals
 from sharding_dump.core.program import Input, ProgramError
 from sharding_dump.core.serving import ServingProgram, ServingSettings, StepTrace, init_state, trace_steps
@@ -95,12 +96,14 @@ def init_layouts(ref: str, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bo
                  settings: ServingSettings) -> tuple[Any, tuple[TensorLayout, ...]]:
     """The program's init traced once: its abstract state and every leaf's layout (what init placed
     itself, else its boxes and the rule file)."""
+    from sharding_dump.core.handback import check_mesh
     from sharding_dump.core.placement import declared_specs, placed_outputs
     from sharding_dump.core.program import boxed_view
     from sharding_dump.core.state import abstract_key
 
     with _on(plan, rule_set, explicit) as mesh:
         shapes, closed = init_state(_program(ref), settings, abstract_key())
+        check_mesh(closed, mesh, "the program's init")
         raw, declared = placed_outputs(shapes, declared_specs(closed), mesh)
         return raw, tuple(state.tensor_layouts(boxed_view(raw), plan, rule_set, False, declared))
 
@@ -145,50 +148,39 @@ def traced_of(setup: Any) -> Traced:
 class Moved:
     """One leaf handed from a step to the next in another layout than the next takes it in."""
 
-    path: str  # the state leaf, or `<step>/<output path>` for an output the next step takes
-    shape: tuple[int, ...]
-    dtype: str
-    source: PartitionSpec
-    target: PartitionSpec
-    bytes_per_request: int  # the request's share of the leaf, which the reshard moves between devices
+    path: str  # the state leaf, or `<step>/<output path>` for an output a later step takes
+    back: HandBack  # its two layouts, and the bytes the device that moves most receives for it
+    bytes_per_request: int  # the request's share of the leaf (all of it for a leaf not per request)
 
 
-def handoffs(traced: Traced) -> dict[str, list[Moved]]:
+def handoffs(traced: Traced, sizes: Mapping[str, int]) -> dict[str, list[Moved]]:
     """`<from>.<to>` -> the leaves that change layout on the way, for every pair of consecutive steps
     and the last step into itself (generate feeds the next generate): a state leaf handed back in
-    another layout than the state holds it in (which the next step takes), and an output a later step
-    takes (`takes=`) in another layout than the state leaf of the same path."""
+    another layout than the next step takes it in, and an output a later step takes (`takes=`) in
+    another layout than the state leaf of the same path. A cache leaf's share per request is its
+    bytes over the slots; an output's, its bytes over the requests its step serves."""
     steps = traced.steps
     pairs = list(zip(steps, steps[1:])) + ([(steps[-1], steps[-1])] if steps else [])
     by_path = {t.path: t for t in traced.layouts}
     out: dict[str, list[Moved]] = {}
     for source, target in pairs:
-        moved = []
-        for path, spec in source.state_out.items():
-            held = target.state_in.get(path)
-            layout = by_path[path]
-            if spec is not None and held is not None and not _same(spec, held, len(layout.shape)):
-                share = _global_bytes(layout.shape, layout.dtype) // max(traced.settings.slots, 1) \
-                    if traced.is_cache(path) else _global_bytes(layout.shape, layout.dtype)
-                moved.append(Moved(path, layout.shape, layout.dtype, spec, held, share))
-        out[f"{source.name}.{target.name}"] = moved
+        paths = [p for p, spec in source.state_out.items() if spec is not None and target.state_in.get(p) is not None]
+        backs = hand_backs([source.state_out[p] for p in paths],
+                           [(p, by_path[p].shape, by_path[p].dtype, target.state_in[p]) for p in paths], sizes)
+        per = {b.path: traced.settings.slots if traced.is_cache(b.path) else 1 for b in backs}
+        out[f"{source.name}.{target.name}"] = [Moved(b.path, b, _global_bytes(b.shape, b.dtype) // per[b.path])
+                                               for b in backs]
     for step in steps:
         if step.takes is None:
             continue
         source = next(s for s in steps if s.name == step.takes)
-        moved = out.setdefault(f"{source.name}.{step.name}", [])
-        for path, (leaf, spec) in source.outputs.items():
-            target = step.state_in.get(path)
-            if spec is None or target is None or path not in by_path or \
-                    _same(spec, target, len(leaf.shape)):
-                continue
-            share = _global_bytes(tuple(leaf.shape), leaf.dtype.name) // source.requests
-            moved.append(Moved(f"{source.name}/{path}", tuple(leaf.shape), leaf.dtype.name, spec, target, share))
+        handed = [(p, leaf, spec) for p, (leaf, spec) in source.outputs.items()
+                  if spec is not None and step.state_in.get(p) is not None]
+        backs = hand_backs([spec for _, _, spec in handed],
+                           [(p, tuple(leaf.shape), leaf.dtype.name, step.state_in[p]) for p, leaf, _ in handed], sizes)
+        out.setdefault(f"{source.name}.{step.name}", []).extend(
+            Moved(f"{source.name}/{b.path}", b, _global_bytes(b.shape, b.dtype) // source.requests) for b in backs)
     return out
-
-
-def _same(a: PartitionSpec, b: PartitionSpec, ndim: int) -> bool:
-    return specs.spec_to_json(a, ndim) == specs.spec_to_json(b, ndim)
 
 
 def _global_bytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -238,12 +230,13 @@ def serving_document(traced: Traced, head: Mapping[str, Any], mesh: Any) -> dict
         for key, entry in documents.activation_entries(step.activations, mesh).items():
             tensors[f"{step.name}/activation/{key}"] = entry
     moves = {}
-    for pair, moved in handoffs(traced).items():
-        moves[pair] = {"leaves_moved": len(moved), "bytes_per_request": sum(m.bytes_per_request for m in moved)}
+    for pair, moved in handoffs(traced, sizes).items():
+        moves[pair] = {"leaves_moved": len(moved), "bytes_per_request": sum(m.bytes_per_request for m in moved),
+                       "moved_bytes_per_device": sum(m.back.moved_bytes for m in moved)}
         for m in moved:
             tensors[f"handoff/{pair}/{m.path}"] = {
-                "shape": list(m.shape), "dtype": m.dtype, "from": specs.spec_to_json(m.source, len(m.shape)),
-                "to": specs.spec_to_json(m.target, len(m.shape)), "bytes_per_request": m.bytes_per_request}
+                "shape": list(m.back.shape), "dtype": m.back.dtype, "from": m.back.came_back, "to": m.back.went_in,
+                "bytes_per_request": m.bytes_per_request, "moved_bytes_per_device": m.back.moved_bytes}
     totals = per_device_totals(traced.layouts)
     return document("serving", {**head, "serving": traced.settings.header(), "steps": steps, "handoffs": moves,
                                  "cache_bytes": cache_bytes(traced), "per_device_bytes": totals}, tensors)
