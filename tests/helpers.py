@@ -150,3 +150,16 @@ def fresh_programs(monkeypatch: pytest.MonkeyPatch, caches: Iterable[Any]) -> It
     monkeypatch.undo()
     for cached in caches:
         cached.cache_clear()
+
+
+def cache_resharded(step: Callable[..., Any], spec: Any) -> Callable[..., Any]:
+    """A step of examples/llama3_serving.py that hands its cache back resharded to `spec` (leaves of
+    lower rank than the spec as they were): the program's own `reshard`, as a server's bug writes it."""
+    import jax
+
+    def resharded(state: Any, inputs: Any, settings: Any, base: Any) -> Any:
+        state, out = step(state, inputs, settings, base)
+        cache = jax.tree.map(lambda x: jax.sharding.reshard(x, spec) if x.ndim >= len(spec) else x, state["cache"])
+        return {**state, "cache": cache}, out
+
+    return resharded

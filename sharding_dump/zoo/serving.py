@@ -247,3 +247,68 @@ def serving_documents(traced: Traced, head: Mapping[str, Any], mesh: Any) -> dic
     docs = documents.golden_documents(list(traced.layouts), mesh, None, header=head)
     docs[SERVING_FILE] = serving_document(traced, head, mesh)
     return docs
+
+
+# --- what fits ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The state per device at the case's slots x length against one device's HBM, and the largest
+    slot count (at the case's length) and length (at the case's slots) that fit; 0 when none does."""
+
+    hbm: int
+    used: int
+    cache: int
+    slots: int
+    length: int
+    largest_slots: int
+    largest_length: int
+
+
+Scaled = list[tuple[TensorLayout, tuple[int, ...]]]  # each leaf with the dimensions a setting scales
+
+
+def _scaled(layouts: tuple[TensorLayout, ...], doubled: tuple[TensorLayout, ...]) -> Scaled:
+    """Each leaf with the dimensions that doubled when one setting was doubled (init traced again)."""
+    other = {t.path: t for t in doubled}
+    return [(t, tuple(d for d, size in enumerate(t.shape) if other[t.path].shape[d] == 2 * size and size))
+            for t in layouts]
+
+
+def _bytes_at(scaled: Scaled, old: int, new: int) -> int:
+    """Per-device bytes of the state with its scaling dimensions at `new` in place of `old`."""
+    total = 0
+    for t, dims in scaled:
+        shape = tuple(size * new // old if d in dims else size for d, size in enumerate(t.shape))
+        total += dataclasses.replace(t, shape=shape).per_device_bytes
+    return total
+
+
+def _largest(scaled: Scaled, old: int, hbm: int) -> int:
+    """The largest value in [1, old] at which the state fits `hbm` (0: none does)."""
+    low, high = 0, old
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _bytes_at(scaled, old, mid) <= hbm:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def memory_fit(setup: Any) -> Fit | None:
+    """How the case's state fits one device of its topology (None: no HBM size known). The slot and
+    length dimensions of every leaf are read by tracing init again at twice the slots and twice the
+    length (on the Auto mesh: nothing is compiled), so the sizes are the program's, not a formula."""
+    hbm = setup.topology.hbm_bytes_per_device
+    if hbm is None:
+        return None
+    settings = settings_of(setup.values, setup.batch.global_batch_size)
+    args = (setup.case.model, setup.plan, setup.rule_set, False)
+    layouts = init_layouts(*args, settings)[1]
+    slots = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, slots=2 * settings.slots))[1])
+    length = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, max_length=2 * settings.max_length))[1])
+    used = sum(t.per_device_bytes for t in layouts)
+    cache = sum(t.per_device_bytes for t in layouts if t.path.split("/", 1)[0] in _program(setup.case.model).cache)
+    return Fit(hbm, used, cache, settings.slots, settings.max_length, _largest(slots, settings.slots, hbm),
+               _largest(length, settings.max_length, hbm))

@@ -5,11 +5,10 @@ that hands the cache back replicated, a generate step that keeps it in another l
 from __future__ import annotations
 
 import dataclasses
-import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, fresh_programs
+from helpers import REPO, cache_resharded, fresh_programs
 from sharding_dump.golden.engine import check_or_update_folder
 from sharding_dump.zoo import dump, serving
 from sharding_dump.zoo.case import golden_dir, load_matrix
@@ -67,13 +66,7 @@ def test_a_change_of_the_cache_rule_fails_the_golden(fresh):
 def test_a_prefill_that_returns_the_cache_replicated_fails_the_golden(fresh):
     from examples import llama3_serving as ls
 
-    prefill = ls.prefill
-
-    def replicated(state, inputs, settings, base):
-        state, out = prefill(state, inputs, settings, base)
-        return {**state, "cache": jax.tree.map(lambda x: jax.sharding.reshard(x, P()), state["cache"])}, out
-
-    fresh.setattr(ls, "prefill", replicated)
+    fresh.setattr(ls, "prefill", cache_resharded(ls.prefill, P()))
     report = golden_report(example_case())
     assert "prefill/state/cache/k/0/quant" in report and "now [null,null,null,null]" in report
     assert "handoff/prefill.generate/cache/k/0/quant" in report  # the hand-off now moves the cache
@@ -83,14 +76,7 @@ def test_a_prefill_that_returns_the_cache_replicated_fails_the_golden(fresh):
 def test_a_generate_step_keeping_the_cache_in_another_layout_fails_the_golden(fresh):
     from examples import llama3_serving as ls
 
-    generate = ls.generate
-
-    def elsewhere(state, inputs, settings, base):
-        state, out = generate(state, inputs, settings, base)
-        moved = jax.tree.map(lambda x: jax.sharding.reshard(x, P(None, "y")) if x.ndim > 1 else x, state["cache"])
-        return {**state, "cache": moved}, out
-
-    fresh.setattr(ls, "generate", elsewhere)
+    fresh.setattr(ls, "generate", cache_resharded(ls.generate, P(None, "y")))
     report = golden_report(example_case())
     assert "generate/state/cache/k/0/quant" in report and "handoff/generate.generate/cache/k/0/quant" in report
     assert "prefill/state/cache" not in report
