@@ -138,13 +138,26 @@ def forward(weights: dict, tokens: jax.Array, cfg: Config) -> jax.Array:
     return jnp.einsum("btd,dv->btv", x, weights["lm_head"], out_sharding=spec(r, "batch", "sequence", None))
 
 
-def program(cfg: Config) -> sd.TrainProgram:
-    """Its own init (weights, AdamW state, step count) and train step."""
+def program(cfg: Config, out_rules: ShardingRules | None = None) -> sd.TrainProgram:
+    """Its own init (weights, AdamW state, step count) and train step; with `out_rules`, the step is
+    jitted with `out_shardings` that hand the state back on those rules (as jax-llm-examples' prefill
+    hands its KV cache back on the cache's shardings)."""
     tx = optax.adamw(3e-4, weight_decay=0.1)
 
-    def init(key: jax.Array) -> dict:
-        params = init_weights(key, cfg)
+    def make_state(params: dict) -> dict:
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def init(key: jax.Array) -> dict:
+        return make_state(init_weights(key, cfg))
+
+    def state_shardings(rules: ShardingRules) -> dict:
+        """The whole state's shardings on `rules`: the weights' own, and AdamW's moments following
+        them by sharding in types (`eval_shape` of the optimizer's init over typed weights)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        typed = jax.tree.map(lambda info: jax.ShapeDtypeStruct(info[0], jnp.float32,
+                                                               sharding=NamedSharding(mesh, spec(rules, *info[1]))),
+                             shapes(cfg), is_leaf=_is_info)
+        return jax.tree.map(lambda leaf: leaf.sharding, jax.eval_shape(make_state, typed))
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         tokens = jax.sharding.reshard(batch["inputs"], spec(cfg.rules, "batch", "sequence"))
@@ -159,9 +172,22 @@ def program(cfg: Config) -> sd.TrainProgram:
         return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
                  "step": state["step"] + 1}, {"loss": loss})
 
-    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input(), "targets": sd.Input()})
+    def jitted_step(state: dict, batch: dict) -> tuple[dict, dict]:
+        replicated = NamedSharding(jax.sharding.get_abstract_mesh(), P())
+        return jax.jit(train_step, out_shardings=(state_shardings(out_rules), replicated))(state, batch)
+
+    step = train_step if out_rules is None else jitted_step
+    return sd.TrainProgram(init, step, batch={"inputs": sd.Input(), "targets": sd.Input()})
 
 
 def small_llama() -> sd.TrainProgram:
     """Two layers at toy sizes, placed by the module's RULES (read when called)."""
     return program(Config(rules=RULES))
+
+
+OUT_RULES: ShardingRules | None = None  # the rules the jitted step hands the state back on (None: RULES)
+
+
+def small_llama_jitted() -> sd.TrainProgram:
+    """`small_llama` with its step jitted, handing the state back on OUT_RULES (read when called)."""
+    return program(Config(rules=RULES), out_rules=OUT_RULES or RULES)

@@ -137,19 +137,44 @@ def assert_bad_input(tmp_path, capsys, args: str, message: str) -> None:
     assert captured.err.startswith("sharding-dump: error: ") and message in captured.err, captured.err
     assert not out.exists()
 
+# Example programs that decide their own layouts (tests/core/test_handback.py, docs/program-placement.md).
+FSDP = ("examples.fsdp_trainer:small_lm", "cpu-8", "examples/fsdp_rules.yml",
+        {"ici_fsdp_parallelism": 8, "per_device_batch_size": 2, "max_target_length": 32})
+JITTED = ("examples.pure_jax_llama:small_llama_jitted", "cpu-4", "examples/pure_jax_rules.yml",
+          {"ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2, "shard_mode": "explicit", "per_device_batch_size": 2,
+           "max_target_length": 32})
 
-def fresh_programs(monkeypatch: pytest.MonkeyPatch, caches: Iterable[Any]) -> Iterable[pytest.MonkeyPatch]:
-    """A fixture body: in the repository's folder, with every cache of user programs in `caches` (their
-    `cache_clear`) forgotten before and after, so an edit of an example module made through the yielded
-    monkeypatch is what the next dump builds."""
-    caches = list(caches)
-    monkeypatch.chdir(REPO)
-    for cached in caches:
+
+def program_case(spec: tuple) -> Case:
+    """The case of `(model, topology, rule file in the checkout, overrides)`: an example program's."""
+    model, topology, rule, overrides = spec
+    return Case.make(model, topology, str(REPO / rule), overrides=overrides)
+
+
+def forget_programs() -> None:
+    """Forget every program built in this process: the next dump builds the edited one."""
+    from sharding_dump.zoo import dump, serving
+
+    for cached in (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded,
+                   serving.init_layouts, serving.trace_case):
         cached.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    for cached in caches:
-        cached.cache_clear()
+
+
+def golden_after(tmp_path: Path, spec: tuple, render: Callable[[Case], dict[str, bytes]],
+                 edit: Callable[[], Any]) -> str:
+    """The goldens `render` gives the case of `spec` written, the program edited by `edit()`, then
+    checked: the report of what differs (the test fails when nothing does)."""
+    from sharding_dump.golden.engine import check_or_update_folder
+
+    case = program_case(spec)
+    folder = tmp_path / "golden"
+    assert check_or_update_folder(folder, render(case), update=True).status == "written"
+    assert check_or_update_folder(folder, render(case), update=False).status == "match"
+    edit()
+    forget_programs()
+    outcome = check_or_update_folder(folder, render(case), update=False)
+    assert outcome.status == "differs"
+    return outcome.report
 
 
 def cache_resharded(step: Callable[..., Any], spec: Any) -> Callable[..., Any]:

@@ -368,10 +368,12 @@ def check_handback(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findin
     leaf is resharded at the end of every step and again when the next step takes it."""
     if setup.config is not None:
         return []
-    return [Finding("handback", back.path,
-                    f"the step hands it back on {diff.compact(back.came_back)} where it went in on "
-                    f"{diff.compact(back.went_in)}: {tables.format_bytes(back.moved_bytes)} moved per device per step")
-            for back in handed_back(setup, layouts)]
+    per_tensor = {back.path: (diff.compact(back.came_back), diff.compact(back.went_in), back.moved_bytes)
+                  for back in handed_back(setup, layouts)}  # optimizer slots handed back alike fold in
+    return [Finding("handback", subject, f"the step hands it back on {came} where it went in on {went}: "
+                    f"{tables.format_bytes(moved)} moved per device per step"
+                    f"{' for each' if ' (and ' in subject else ''}")
+            for subject, (came, went, moved) in _fold(per_tensor)]
 
 
 def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:

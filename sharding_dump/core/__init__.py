@@ -11,6 +11,8 @@ pytest plugin and the built-in model zoo are clients of it. Modules:
 * :mod:`step`: a next-token training step for any causal LM;
 * :mod:`program`: the training program a user gives: a model and how to call it, or their own
   init and step;
+* :mod:`handback`: what a traced program decides about its own arrays: its mesh, the layout it takes
+  its inputs in, the layout it hands its state back in;
 * :mod:`documents`: the golden JSON documents of those layouts.
 * :mod:`gc_policy`: fewer garbage collections while models are traced (no jax import).
 """

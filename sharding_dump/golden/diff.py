@@ -67,8 +67,9 @@ def diff_documents(old: Mapping[str, Any], new: Mapping[str, Any]) -> DocumentDi
     old_h = {k: v for k, v in old.items() if k != "tensors"}
     new_h = {k: v for k, v in new.items() if k != "tensors"}
     for key in _differing(old_h, new_h):
-        if isinstance(old_h.get(key), Mapping) and isinstance(new_h.get(key), Mapping):
-            for sub in _differing(old_h[key], new_h[key]):
+        old_v, new_v = old_h.get(key, {}), new_h.get(key, {})  # a mapping one side lacks: each of its keys
+        if isinstance(old_v, Mapping) and isinstance(new_v, Mapping):
+            for sub in _differing(old_v, new_v):
                 out.header[f"{key}.{sub}"] = (_get(old_h, [key, sub]), _get(new_h, [key, sub]))
         else:
             out.header[key] = (_get(old_h, [key]), _get(new_h, [key]))

@@ -8,19 +8,13 @@ import dataclasses
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, cache_resharded, fresh_programs
+from helpers import REPO, cache_resharded
 from sharding_dump.commands import check, check_serving
 from sharding_dump.zoo import dump, serving
 from sharding_dump.zoo.case import Case, load_matrix
 
 LLAMA_70B = {"ici_x_parallelism": 1, "ici_y_parallelism": 8, "shard_mode": "explicit", "max_target_length": 8192,
              "max_prefill_predict_length": 1024, "quantize_kvcache": True}
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """An edit of examples/llama3_serving.py is what the next check builds."""
-    yield from fresh_programs(monkeypatch, (dump.factory_program, serving.init_layouts, serving.trace_case))
 
 
 def seventy_b(slots_per_device: int) -> Case:

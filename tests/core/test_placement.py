@@ -21,13 +21,12 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
-from helpers import REPO, fresh_programs
+from helpers import REPO, golden_after, program_case
 from sharding_dump.commands import cli
 from sharding_dump.core import documents
 from sharding_dump.core.layout import resolve
 from sharding_dump.core.placement import declared_specs
 from sharding_dump.golden import codec
-from sharding_dump.golden.engine import check_or_update_folder
 from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.rules import load_rule
@@ -45,27 +44,8 @@ REGEX = ("examples.regex_llama:small_llama", "cpu-8", "examples/regex_llama.yml"
          {"ici_fsdp_parallelism": 4, "ici_mp_parallelism": 2, **SMALL})
 
 
-def make_case(spec: tuple) -> Case:
-    model, topology, rule, overrides = spec
-    return Case.make(model, topology, str(REPO / rule), overrides=overrides)
-
-
-PROGRAM_CACHES = (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded)
-
-
-def forget_programs() -> None:
-    """Forget every program built in this process: the next dump builds the edited one."""
-    for cached in PROGRAM_CACHES:
-        cached.cache_clear()
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    yield from fresh_programs(monkeypatch, PROGRAM_CACHES)
-
-
 def layouts_of(spec: tuple) -> dict[str, sd.TensorLayout]:
-    return {t.path: t for t in dump.case_layouts(make_case(spec))[1]}
+    return {t.path: t for t in dump.case_layouts(program_case(spec))[1]}
 
 
 def state_goldens(case: Case) -> dict[str, bytes]:
@@ -73,19 +53,6 @@ def state_goldens(case: Case) -> dict[str, bytes]:
     step's activations are another engineer's document and cost a trace of the step."""
     setup, layouts = dump.case_layouts(case)
     return codec.render(documents.golden_documents(layouts, setup.plan.abstract_mesh(), header=dump.header(setup)))
-
-
-def golden_after(tmp_path, spec: tuple, edit) -> str:
-    """The state goldens of `spec` written, the program edited by `edit()`, then checked: the report."""
-    case = make_case(spec)
-    folder = tmp_path / "golden"
-    assert check_or_update_folder(folder, state_goldens(case), update=True).status == "written"
-    assert check_or_update_folder(folder, state_goldens(case), update=False).status == "match"
-    edit()
-    forget_programs()
-    outcome = check_or_update_folder(folder, state_goldens(case), update=False)
-    assert outcome.status == "differs"
-    return outcome.report
 
 
 # --- what init declares, read from its jaxpr ------------------------------------------------------------
@@ -149,7 +116,8 @@ def test_pure_jax_rule_edit_fails_its_golden(fresh, tmp_path):
     """The program's own rule for `mlp` moved: its golden fails, naming the MLP weights."""
     from examples import pure_jax_llama as pj
 
-    report = golden_after(tmp_path, PURE_JAX, lambda: fresh.setattr(pj, "RULES", dataclasses.replace(pj.RULES, mlp=None)))
+    report = golden_after(tmp_path, PURE_JAX, state_goldens,
+                          lambda: fresh.setattr(pj, "RULES", dataclasses.replace(pj.RULES, mlp=None)))
     assert "params/layers/0/w_up" in report and "params/layers/1/w_down" in report
     assert "params/layers/0/q" not in report
 
@@ -158,7 +126,7 @@ def test_check_says_where_a_listed_weight_was_placed(fresh):
     """`check` names the program as the source of a weight it lists, and its spec."""
     from sharding_dump.commands import check
 
-    (finding,) = check.lint_case(make_case(PURE_JAX), tolerance=0.0)
+    (finding,) = check.lint_case(program_case(PURE_JAX), tolerance=0.0)
     at = finding.details.index("params/final_norm  256 Bytes")
     assert finding.details[at + 1].startswith("  placed by the program itself: its init's own sharding")
     assert finding.details[at + 2] == "  spec [None]"
@@ -168,7 +136,7 @@ def test_auto_mesh_reads_the_declared_out_shardings(fresh):
     """On an Auto mesh the types carry no sharding, yet the weights are placed as init's jit declares."""
     spec = PURE_JAX[:3] + ({**PURE_JAX[3], "shard_mode": "auto"},)
     program = dump.factory_program(spec[0])
-    plan = dump.setup_case(make_case(spec)).plan
+    plan = dump.setup_case(program_case(spec)).plan
     with jax.sharding.use_abstract_mesh(plan.abstract_mesh()):
         state, declared = program.placed_state(sd.core.state.abstract_key())
     assert tuple(declared["params/layers/0/w_up"]) == ("fsdp", "tensor")
@@ -182,7 +150,7 @@ def test_init_is_traced_once(fresh):
     calls = []
     real = pj.init_weights
     fresh.setattr(pj, "init_weights", lambda key, cfg: calls.append(1) or real(key, cfg))
-    dump.case_layouts(make_case(PURE_JAX))  # the even-split check of explicit mode, then the layouts
+    dump.case_layouts(program_case(PURE_JAX))  # the even-split check of explicit mode, then the layouts
     assert len(calls) == 1
 
 
@@ -217,7 +185,8 @@ def test_params_axes_edit_fails_its_golden(fresh, tmp_path):
     """One param_with_axes axis name changed in the model: its golden fails, naming the weights."""
     from examples import t5x_style
 
-    report = golden_after(tmp_path, T5X, lambda: fresh.setattr(t5x_style, "MLP_AXES", ("embed", "kv")))
+    report = golden_after(tmp_path, T5X, state_goldens,
+                          lambda: fresh.setattr(t5x_style, "MLP_AXES", ("embed", "kv")))
     assert "params/layers_0/wi/kernel" in report and "params/layers_1/wo/kernel" in report
 
 
@@ -228,7 +197,8 @@ def test_linen_box_edit_fails_its_golden(fresh, tmp_path):
 
     real = linen_lm.dense
     edited = lambda features, axes, name: real(features, ("embed", None) if name == "up" else axes, name)  # noqa: E731
-    report = golden_after(tmp_path, LINEN, lambda: fresh.setattr(linen_lm, "dense", edited))
+    report = golden_after(tmp_path, LINEN, state_goldens,
+                          lambda: fresh.setattr(linen_lm, "dense", edited))
     assert "params/block_0/up/kernel" in report and "params/block_0/down/kernel" not in report
 
 
@@ -237,7 +207,8 @@ def test_nnx_variable_edit_fails_its_golden(fresh, tmp_path):
 
     real = nnx_lm.linear
     edited = lambda d_in, d_out, axes, rngs: real(d_in, d_out, tuple(reversed(axes)), rngs)  # noqa: E731
-    report = golden_after(tmp_path, NNX, lambda: fresh.setattr(nnx_lm, "linear", edited))
+    report = golden_after(tmp_path, NNX, state_goldens,
+                          lambda: fresh.setattr(nnx_lm, "linear", edited))
     assert "params/blocks/up/kernel" in report
 
 
@@ -248,7 +219,8 @@ def test_regex_edit_fails_its_golden(fresh, tmp_path):
     copy = tmp_path / "regex_llama.yml"
     copy.write_text(text)
     spec = (REGEX[0], REGEX[1], str(copy), REGEX[3])
-    report = golden_after(tmp_path, spec, lambda: copy.write_text(text.replace(rule, rule.replace("fsdp, mp", "mp, fsdp"))))
+    report = golden_after(tmp_path, spec, state_goldens,
+                          lambda: copy.write_text(text.replace(rule, rule.replace("fsdp, mp", "mp, fsdp"))))
     assert "feed_forward/w1/kernel" in report and "feed_forward/w2/kernel" not in report
 
 
@@ -314,7 +286,7 @@ def test_hf_flax_llama_as_users_hold_it(fresh):
     program = dump.factory_program(HF[0])
     assert program.kwargs == {"deterministic": False} and program.positions == "position_ids"
     assert set(program.inputs) == {"attention_mask"}
-    closed, _ = dump.trace_case(dump.setup_case(make_case(HF)))
+    closed, _ = dump.trace_case(dump.setup_case(program_case(HF)))
     assert any(eqn.primitive.name == "random_bits" for eqn, _ in equations(closed))  # dropout on
     module = as_program(hf_llama.small_llama_module)
     assert type(module.model) is type(program.model) and module.kwargs == program.kwargs
@@ -327,8 +299,8 @@ def test_param_with_axes_reads_are_not_activations(fresh):
     state's placement, already in the state's goldens: none is an activation entry."""
     from examples import t5x_style
 
-    setup = dump.setup_case(make_case(T5X))
-    weights = {(tuple(t.shape), t.logical_axes) for t in dump.case_layouts(make_case(T5X))[1] if t.group == "params"}
+    setup = dump.setup_case(program_case(T5X))
+    weights = {(tuple(t.shape), t.logical_axes) for t in dump.case_layouts(program_case(T5X))[1] if t.group == "params"}
     assert len(params_axes_specs(t5x_style.Decoder())) == 19
     reads = [c.key for c in dump.trace_activations(setup) if (tuple(c.shape), tuple(c.logical_axes)) in weights]
     assert reads == []

@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from helpers import REPO
+from helpers import FSDP, JITTED, REPO, program_case
 from sharding_dump.zoo.settings import parse_assignments
 from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case
@@ -44,9 +44,22 @@ def test_placement_page_rule_files_are_the_examples():
 
 def test_placement_page_commands_place_as_it_says(monkeypatch):
     monkeypatch.chdir(REPO)
-    pure, model, train = [line for block in blocks(PLACEMENT, "bash") for line in block.splitlines()]
+    pure, model, train = [line for block in blocks(PLACEMENT, "bash")[:2] for line in block.splitlines()]
     assert set(sources(pure).values()) == {"type"}
     assert set(sources(model).values()) == set(sources(train).values()) == {"params_axes"}
+
+
+def test_placement_page_programs_decide_as_it_says(monkeypatch):
+    """The commands of 'What the program decides': the tests of tests/core/test_handback.py edit these
+    programs; here each command dumps the case those tests edit (the Equinox one needs 8 devices: its
+    own mesh, checked there in a process of its own)."""
+    monkeypatch.chdir(REPO)
+    eqx, fsdp, jitted = blocks(PLACEMENT, "bash")[2].splitlines()
+    assert eqx.startswith("XLA_FLAGS=--xla_force_host_platform_device_count=8 sharding-dump --model examples.eqx_lm:")
+    assert "ici_data_parallelism=4 ici_model_parallelism=2" in eqx
+    for line, spec in ((fsdp, FSDP), (jitted, JITTED)):
+        assert command_case(line) == program_case(spec)
+        assert set(sources(line).values()) == {"type"}
 
 
 def test_hf_page_code_and_rules_are_the_examples(monkeypatch):

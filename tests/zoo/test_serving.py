@@ -8,18 +8,12 @@ import dataclasses
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, cache_resharded, fresh_programs
+from helpers import REPO, cache_resharded
 from sharding_dump.golden.engine import check_or_update_folder
 from sharding_dump.zoo import dump, serving
 from sharding_dump.zoo.case import golden_dir, load_matrix
 
 CASES = REPO / "examples/serving_cases.yml"
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """An edit of examples/llama3_serving.py is what the next dump builds."""
-    yield from fresh_programs(monkeypatch, (dump.factory_program, serving.init_layouts, serving.trace_case))
 
 
 def example_case():

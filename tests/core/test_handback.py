@@ -1,0 +1,226 @@
+"""What a program decides, the harness reads (sharding_dump/core/handback.py): its own mesh, the
+layout it takes its batch in, and the layout of the state its step hands back. A change of any of
+these fails the program's golden test, naming what changed.
+
+The programs are the examples: an Equinox LM that builds its own concrete mesh and runs its step as
+`jit(in_shardings=..., out_shardings=...)` (examples/eqx_lm.py, after Levanter), a linen LM whose
+trainer places the whole state and the batch by its own strategy and constrains the state at the end
+of its step (examples/fsdp_trainer.py, after Kauldron), and the pure-JAX Llama with its step jitted
+to hand the state back on rules of its own (examples/pure_jax_llama.py, after jax-llm-examples).
+Each one's expected placement is computed from its own code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import pytest
+
+from helpers import FSDP, JITTED, REPO, golden_after, program_case
+from sharding_dump.core.handback import HandBack
+from sharding_dump.errors import ProgramLayoutWarning
+from sharding_dump.golden import codec
+from sharding_dump.zoo import dump
+from sharding_dump.zoo.case import Case
+
+
+
+def goldens(case: Case) -> dict[str, bytes]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProgramLayoutWarning)
+        return codec.render(dump.dump_case(case))
+
+
+# --- the bytes a leaf handed back in another layout moves ----------------------------------------------
+
+@pytest.mark.parametrize("went, came, moved", [
+    (["x", None], [None, None], 3 * 16 * 8),  # gathers the three quarters it lacks, drops them again
+    ([None, None], ["x", None], 3 * 16 * 8),  # keeps its quarter, gathers the rest when the next step takes it
+    (["x", None], [None, "x"], 2 * (16 * 8 - 16 * 2)),  # 16 rows for 2 columns (16 x 2 in both), and back
+    (["x", "y"], [["x", "y"], None], 2 * (16 * 2 - 4 * 2)),  # a 16 x 2 block for 4 whole rows (4 x 2 in both)
+    (["x", None], [["x", "y"], None], 3 * 4 * 8),  # a quarter of its rows, then the other three quarters back
+])
+def test_moved_bytes(went, came, moved):
+    back = HandBack("w", (64, 8), "int8", went, came, {"x": 4, "y": 4})
+    assert back.moved_bytes == moved
+
+
+# --- a program that places its own batch and constrains its whole state at the end of its step -----------
+
+def fsdp_specs(strategy) -> dict[str, tuple]:
+    """Every leaf's spec computed from the program's own strategy on the case's mesh."""
+    from examples import fsdp_trainer as ft
+    from sharding_dump.core.layout import path_text
+
+    mesh = dump.setup_case(program_case(FSDP)).plan.abstract_mesh()
+    model = ft.MLPLM()
+    shapes = jax.eval_shape(lambda k: model.init(k, jax.numpy.zeros((1, 8), "int32"))["params"], jax.random.key(0))
+    return {"params/" + path_text(k): tuple(strategy.fsdp(leaf.shape, mesh))
+            for k, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
+
+
+def test_fsdp_trainer_every_leaf_as_its_strategy_places_it(fresh):
+    from examples import fsdp_trainer as ft
+
+    case = program_case(FSDP)
+    layouts = {t.path: t for t in dump.case_layouts(case)[1]}
+    expected = fsdp_specs(ft.STRATEGY)
+    assert len(expected) == 9 and sum(any(expected[p]) for p in expected) == 9
+    for path, spec in expected.items():
+        assert tuple(layouts[path].partition_spec) == spec, path
+        assert layouts[path].source == "type", path
+        for slot in ("mu", "nu"):
+            assert tuple(layouts["opt_state/0/" + slot + path[len("params"):]].partition_spec) == spec
+    activations = dump.dump_case(case)["activation_shardings.json"]
+    assert activations["batch"]["program_spec"] == {"inputs": ["fsdp", None], "targets": ["fsdp", None]}
+    assert "returned" not in activations  # the step hands everything back as init placed it
+
+
+def test_fsdp_trainer_batch_layout_edit_fails_its_golden(fresh, tmp_path):
+    """The trainer's own batch layout (Kauldron's `ShardingStrategy(batch=REPLICATED)`): the golden
+    fails naming the batch, and the dump says it differs from the rule file's data_sharding."""
+    from examples import fsdp_trainer as ft
+
+    report = golden_after(tmp_path, FSDP, goldens,
+                          lambda: fresh.setattr(ft, "STRATEGY", ft.ShardingStrategy(batch=ft.REPLICATED)))
+    assert 'header batch.program_spec  golden {"inputs":["fsdp",null],"targets":["fsdp",null]}  now ' \
+           '{"inputs":[null,null],"targets":[null,null]}' in report
+    with pytest.warns(ProgramLayoutWarning, match=r"takes batch field 'inputs' on \[None, None\], where the rule "
+                                                  r"file's data_sharding places it on \['fsdp', None\]"):
+        dump.dump_case(program_case(FSDP))
+
+
+def test_fsdp_trainer_end_of_step_constraint_edit_fails_its_golden(fresh, tmp_path):
+    """The constraint the step puts on the state it returns moved (the optimizer state replicated):
+    the golden fails naming each leaf handed back otherwise, and `check` lists them with the bytes."""
+    from examples import fsdp_trainer as ft
+    from sharding_dump.commands import check
+
+    replicated = ft.ShardingStrategy(state=None)
+    report = golden_after(tmp_path, FSDP, goldens,
+                          lambda: fresh.setattr(ft, "STEP_STRATEGY", replicated))
+    assert 'header returned.params/up_0/kernel  golden "(absent)"  now [null,null]' in report
+    findings = [f for f in check.lint_case(program_case(FSDP)) if f.lint == "handback"]
+    (up,) = [f for f in findings if f.subject.startswith("params/up_0/kernel")]
+    assert up.subject == "params/up_0/kernel (and opt_state/0/mu, opt_state/0/nu)"
+    # [64, 256] float32 split 8 ways on its columns, handed back whole: 7/8 of 64 KiB gathered per step
+    assert up.message == ('the step hands it back on [null,null] where it went in on [null,"fsdp"]: 56.0 KiB moved '
+                          "per device per step for each")
+
+
+# --- a step that hands its state back in another layout (jit out_shardings) -----------------------------
+
+def test_jitted_step_out_shardings_edit_fails_its_golden(fresh, tmp_path):
+    """The pure-JAX Llama's jitted step hands its MLP weights back on other rules than init's: the golden
+    fails naming them (and only them), and `check` says what it costs per step."""
+    from examples import pure_jax_llama as pj
+    from sharding_dump.commands import check
+
+    assert "returned" not in dump.dump_case(program_case(JITTED))["activation_shardings.json"]
+    report = golden_after(tmp_path, JITTED, goldens,
+                          lambda: fresh.setattr(pj, "OUT_RULES", dataclasses.replace(pj.RULES, mlp=None)))
+    assert 'header returned.params/layers/0/w_up  golden "(absent)"  now ["fsdp",null]' in report
+    assert 'header returned.opt_state/0/nu/layers/1/w_down  golden "(absent)"  now [null,"fsdp"]' in report
+    assert "returned.params/layers/0/q" not in report
+    findings = {f.subject: f.message for f in check.lint_case(program_case(JITTED)) if f.lint == "handback"}
+    assert len(findings) == 6
+    # [64, 128] float32 on fsdp x tensor (8 KiB a device) handed back on fsdp only (16 KiB): 8 KiB gathered
+    assert findings["params/layers/0/w_up (and opt_state/0/mu, opt_state/0/nu)"] == (
+        'the step hands it back on ["fsdp",null] where it went in on ["fsdp","tensor"]: 8.0 KiB moved per device '
+        "per step for each")
+
+
+def test_jitted_step_state_equals_the_unjitted_programs(fresh):
+    """Jitting the step changes nothing the state golden holds: same init, same placement."""
+    plain = ("examples.pure_jax_llama:small_llama",) + JITTED[1:]
+    named = [dump.dump_case(program_case(spec))["named_shardings.json"]["tensors"] for spec in (plain, JITTED)]
+    assert named[0] == named[1]
+
+
+# --- a program that builds its own concrete mesh ----------------------------------------------------------
+
+EQX_RUN = textwrap.dedent("""
+    import json, sys, jax, warnings
+    sys.path.insert(0, "tests")
+    from examples import eqx_lm
+    from helpers import forget_programs
+    from sharding_dump.core.layout import path_text
+    from sharding_dump.errors import BadInput
+    from sharding_dump.golden import codec
+    from sharding_dump.golden.engine import check_or_update_folder
+    from sharding_dump.zoo import dump
+    from sharding_dump.zoo.case import Case
+
+    warnings.simplefilter("ignore")
+    case = Case.make("examples.eqx_lm:small_lm", "cpu-8", "examples/eqx_rules.yml",
+                     overrides={{"ici_data_parallelism": 4, "ici_model_parallelism": 2, "per_device_batch_size": 2,
+                                "max_target_length": 32}})
+    FOLDER = {folder!r}
+
+    def check():
+        forget_programs()
+        try:
+            outcome = check_or_update_folder(FOLDER, codec.render(dump.dump_case(case)), update=False)
+        except BadInput as err:
+            return "error: " + str(err)
+        return outcome.status + ": " + outcome.report
+
+    out = {{"devices": jax.device_count()}}
+    layouts = {{t.path: (list(t.partition_spec), t.source) for t in dump.case_layouts(case)[1]}}
+    model = jax.eval_shape(eqx_lm.EqxLM, jax.random.key(0))
+    own = {{path_text(k): list(eqx_lm.MESH.spec(leaf.axes)) for k, leaf in
+           jax.tree_util.tree_leaves_with_path(model, is_leaf=lambda x: isinstance(x, eqx_lm.Linear))}}
+    out["own"] = {{"model/" + path + "/weight": spec for path, spec in own.items()}}
+    out["dumped"] = {{path: layouts[path] for path in out["own"]}}
+    out["slots"] = {{path: layouts["opt_state/0/mu/" + path[len("model/"):]][0] for path in out["own"]}}
+    out["written"] = check_or_update_folder(FOLDER, codec.render(dump.dump_case(case)), update=True).status
+    out["unchanged"] = check()
+    eqx_lm.MESH = eqx_lm.MeshConfig(axes=(("data", 2), ("model", 4)))
+    out["mesh"] = check()
+    eqx_lm.MESH = eqx_lm.MeshConfig(batch_mapping=(("batch", None),))
+    out["batch"] = check()
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def eqx_run(tmp_path_factory):
+    """The Equinox example dumped, checked, and checked again after each edit of its own mesh config,
+    in a process with 8 CPU devices (the mesh the program builds over jax.devices())."""
+    folder = tmp_path_factory.mktemp("eqx") / "golden"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", EQX_RUN.format(folder=str(folder))], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_own_mesh_program_every_weight_as_it_places_it(eqx_run):
+    assert eqx_run["devices"] == 8
+    assert len(eqx_run["own"]) == 15 and sum(any(s) for s in eqx_run["own"].values()) == 10  # the norms stay whole
+    for path, spec in eqx_run["own"].items():
+        dumped, source = eqx_run["dumped"][path]
+        assert dumped + [None] * (len(spec) - len(dumped)) == spec and source == "type", path
+        assert eqx_run["slots"][path] == dumped, path  # AdamW's moments keep the weight's names
+    assert (eqx_run["written"], eqx_run["unchanged"]) == ("written", "match: ")
+
+
+def test_own_mesh_edit_is_refused_naming_both_meshes(eqx_run):
+    """The program's own mesh changed (Levanter's `trainer.mesh` model: 2 -> 4): one line naming both."""
+    assert eqx_run["mesh"].startswith("error: the program's init ")
+    assert "places its arrays on its own mesh data=2 x model=4 (jit make_state), not on the case's mesh " \
+           "data=4 x model=2: give the case the program's mesh" in eqx_run["mesh"]
+
+
+def test_own_mesh_batch_layout_edit_fails_its_golden(eqx_run):
+    """The step's own in_shardings for the batch changed (its batch mapping): the golden names the batch."""
+    assert eqx_run["batch"].startswith("differs: ")
+    assert 'header batch.program_spec  golden {"inputs":["data",null],"targets":["data",null]}  now ' \
+           '{"inputs":[null,null],"targets":[null,null]}' in eqx_run["batch"]
