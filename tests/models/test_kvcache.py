@@ -30,9 +30,10 @@ def test_the_cache_is_maxtexts(case, mode):
     cfg = load_config("llama2-7b")
     mesh = AbstractMesh(tuple(case["mesh"].values()), tuple(case["mesh"]))
     slots = int(float(setting(case, "per_device_batch_size")) * mesh.size)
-    cache = stacked(layer_cache(cfg.num_kv_heads, cfg.resolved_head_dim, 1 if mode == "prefill" else slots,
-                                int(setting(case, "max_prefill_predict_length")), int(setting(case, "max_target_length")),
-                                mode, quantize=setting(case, "quantize_kvcache") == "true"), cfg.num_decoder_layers)
+    layer = layer_cache(cfg.num_kv_heads, cfg.resolved_head_dim, 1 if mode == "prefill" else slots,
+                        int(setting(case, "max_prefill_predict_length")), int(setting(case, "max_target_length")),
+                        mode, quantize=setting(case, "quantize_kvcache") == "true")
+    cache = stacked(layer, cfg.num_decoder_layers)
     ours = {t.path: {"shape": list(t.shape), "dtype": t.dtype, "logical_axes": list(t.logical_axes),
                      "partition_spec": specs.spec_to_json(t.partition_spec, len(t.shape), case["mesh"])}
             for t in tensor_layouts(cache, mesh, [tuple(rule) for rule in case["logical_axis_rules"]])}
