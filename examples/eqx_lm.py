@@ -42,15 +42,18 @@ class MeshConfig:
     param_mapping: tuple[tuple[str, str | None], ...] = (("embed", "data"), ("mlp", "model"), ("heads", "model"),
                                                          ("vocab", "model"))
     batch_mapping: tuple[tuple[str, str | None], ...] = (("batch", "data"),)
+    step_mapping: tuple[tuple[str, str | None], ...] | None = None  # the step's jit takes and returns the state
+    #                                                                  on it (Levanter's axis_resources); None: param_mapping
 
     def build(self) -> jax.sharding.Mesh:
         """A concrete mesh over this process's devices, as the trainer builds it."""
         names, sizes = zip(*self.axes)
         return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
 
-    def spec(self, axes: tuple[str, ...], batch: bool = False) -> P:
-        mapping = dict(self.batch_mapping if batch else self.param_mapping)
-        return P(*(mapping.get(axis) for axis in axes))
+    def spec(self, axes: tuple[str, ...], mapping: tuple[tuple[str, str | None], ...] | None = None) -> P:
+        """The spec of named dimensions under `mapping` (default: the parameters')."""
+        found = dict(self.param_mapping if mapping is None else mapping)
+        return P(*(found.get(axis) for axis in axes))
 
 
 MESH = MeshConfig()
@@ -116,12 +119,13 @@ def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gamma
 
 
-def shardings(tree: Any, config: MeshConfig, mesh: jax.sharding.Mesh) -> Any:
-    """Every named weight (and every AdamW moment of one) on its mapping's spec, the rest replicated:
-    what Levanter's `infer_resource_partitions` gives a state of named arrays."""
+def shardings(tree: Any, config: MeshConfig, mesh: jax.sharding.Mesh, mapping: Any = None) -> Any:
+    """Every named weight (and every AdamW moment of one) on the spec `mapping` (default: the
+    parameters') gives it, the rest replicated: what Levanter's `infer_resource_partitions` gives a
+    state of named arrays."""
     def one(leaf: Any) -> Any:
         if isinstance(leaf, Linear):
-            return Linear(NamedSharding(mesh, config.spec(leaf.axes)), leaf.axes)
+            return Linear(NamedSharding(mesh, config.spec(leaf.axes, mapping)), leaf.axes)
         return NamedSharding(mesh, P())
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Linear))
 
@@ -153,8 +157,9 @@ def program(config: MeshConfig) -> sd.TrainProgram:
                  "step": state["step"] + 1}, {"loss": loss})
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
-        placed = shardings(state, config, mesh)
-        batch_sharding = {name: NamedSharding(mesh, config.spec(("batch", "length"), batch=True)) for name in batch}
+        placed = shardings(state, config, mesh, config.step_mapping)
+        batch_sharding = {name: NamedSharding(mesh, config.spec(("batch", "length"), config.batch_mapping))
+                          for name in batch}
         jitted = jax.jit(train_step, in_shardings=(placed, batch_sharding),
                          out_shardings=(placed, NamedSharding(mesh, P())))
         return jitted(state, batch)

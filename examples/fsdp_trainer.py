@@ -10,7 +10,8 @@ end, as a jitted step's `out_shardings` would.
 The harness reads every one of those decisions: each leaf on the strategy's spec, the batch's layout
 (`batch.program_spec` in activation_shardings.json, with a warning when it is not the rule file's
 `data_sharding`), and the layout of every leaf the step hands back (`returned`, when it is not the
-layout the leaf went in with).
+layout the leaf went in with). `small_lm_data_sharding` is the same trainer with its batch arriving
+on the strategy's layout from its own data pipeline, as Kauldron's does (`Input(sharding=...)`).
 
     sharding-dump --model examples.fsdp_trainer:small_lm --topology cpu-8 --rule examples/fsdp_rules.yml \\
         ici_fsdp_parallelism=8 per_device_batch_size=2 max_target_length=32
@@ -81,8 +82,11 @@ class MLPLM(nn.Module):
         return nn.Dense(self.vocab, use_bias=False, name="lm_head")(nn.RMSNorm(name="final_norm")(x))
 
 
-def program(strategy: ShardingStrategy, step_strategy: ShardingStrategy | None = None) -> sd.TrainProgram:
-    """Its own init and step, both placed by the trainer's strategy."""
+def program(strategy: ShardingStrategy, step_strategy: ShardingStrategy | None = None,
+            data_sharding: bool = False) -> sd.TrainProgram:
+    """Its own init and step, both placed by the trainer's strategy; with `data_sharding`, the batch
+    arrives on the strategy's layout from the trainer's own data pipeline (Kauldron's `sharding.ds`,
+    declared as each field's `Input(sharding=...)`) rather than being constrained in the step."""
     model = MLPLM()
     tx = optax.adamw(3e-4, weight_decay=0.1)
     at_end = step_strategy or strategy
@@ -95,7 +99,8 @@ def program(strategy: ShardingStrategy, step_strategy: ShardingStrategy | None =
         return jax.jit(make_state, out_shardings=strategy.state_shardings(jax.eval_shape(make_state, key)))(key)
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
-        batch = jax.lax.with_sharding_constraint(batch, strategy.batch_sharding())
+        if not data_sharding:
+            batch = jax.lax.with_sharding_constraint(batch, strategy.batch_sharding())
 
         def loss_fn(params: Any) -> jax.Array:
             logits = model.apply({"params": params}, batch["inputs"])
@@ -107,9 +112,16 @@ def program(strategy: ShardingStrategy, step_strategy: ShardingStrategy | None =
                      "step": state["step"] + 1}
         return jax.lax.with_sharding_constraint(new_state, at_end.state_shardings(new_state)), {"loss": loss}
 
-    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input(), "targets": sd.Input()})
+    delivered = (P() if strategy.batch is REPLICATED else strategy.batch) if data_sharding else None
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input(sharding=delivered),
+                                                    "targets": sd.Input(sharding=delivered)})
 
 
 def small_lm() -> sd.TrainProgram:
     """The module's STRATEGY (and STEP_STRATEGY, when set), read when called."""
     return program(STRATEGY, STEP_STRATEGY)
+
+
+def small_lm_data_sharding() -> sd.TrainProgram:
+    """`small_lm` with its batch delivered on the strategy's layout by its own data pipeline."""
+    return program(STRATEGY, STEP_STRATEGY, data_sharding=True)

@@ -364,16 +364,19 @@ def check_pipeline_layers(setup: CaseSetup, layouts: list[TensorLayout]) -> list
 
 
 def check_handback(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
-    """A user's program whose step hands a state leaf back in another layout than it took it in: the
-    leaf is resharded at the end of every step and again when the next step takes it."""
+    """A user's program whose step takes a state leaf in or hands it back in another layout than the
+    state holds it in: the leaf is resharded every step, there and back."""
     if setup.config is not None:
         return []
-    per_tensor = {back.path: (diff.compact(back.came_back), diff.compact(back.went_in), back.moved_bytes)
-                  for back in handed_back(setup, layouts)}  # optimizer slots handed back alike fold in
-    return [Finding("handback", subject, f"the step hands it back on {came} where it went in on {went}: "
-                    f"{tables.format_bytes(moved)} moved per device per step"
-                    f"{' for each' if ' (and ' in subject else ''}")
-            for subject, (came, went, moved) in _fold(per_tensor)]
+    backs, findings = handed_back(setup, layouts), []
+    for end, does in (("taken", "takes it"), ("returned", "hands it back")):
+        per_tensor = {back.path: (diff.compact(back.came_back), diff.compact(back.went_in), back.moved_bytes)
+                      for back in backs[end]}  # optimizer slots laid out alike fold in
+        findings += [Finding("handback", subject, f"the step {does} on {step} where the state holds it on {held}: "
+                             f"{tables.format_bytes(moved)} moved per device per step"
+                             f"{' for each' if ' (and ' in subject else ''}")
+                     for subject, (step, held, moved) in _fold(per_tensor)]
+    return findings
 
 
 def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:

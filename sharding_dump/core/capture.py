@@ -190,10 +190,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
     return _named(lambda: nn.with_logical_constraint(x, axes), name, axes)
 
 
-def constrain_spec(x: jax.Array, spec: PartitionSpec, name: str) -> jax.Array:
+def constrain_spec(x: jax.Array, spec: PartitionSpec | NamedSharding, name: str) -> jax.Array:
     """`x` placed on the physical `spec` (a constraint, or a reshard on an Explicit-axis mesh), noted
     under `name` with unknown logical axes: for a layout given in mesh axes, such as the data
-    pipeline's."""
+    pipeline's (a NamedSharding: on its mesh)."""
     _check_name(name)
     if explicit_mesh():
         return _named(lambda: jax.sharding.reshard(x, spec), name, (None,) * x.ndim)

@@ -74,12 +74,16 @@ def mesh_text(shape: MeshShape) -> str:
     return " x ".join(f"{name}={size}" for name, size in shape)
 
 
-def _shardings(value: Any) -> Iterator[NamedSharding]:
+def _meshes_in(value: Any) -> Iterator[Any]:
+    """The meshes a parameter value names: a NamedSharding's, a mesh itself (a `shard_map`'s, the
+    context mesh a jit was traced under), inside tuples and lists too."""
     if isinstance(value, NamedSharding):
+        yield value.mesh
+    elif isinstance(value, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _shardings(item)
+            yield from _meshes_in(item)
 
 
 def _all_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
@@ -92,13 +96,14 @@ def _all_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
 
 def meshes(closed: ClosedJaxpr) -> list[tuple[MeshShape, str]]:
     """Every distinct mesh the traced function's own shardings name (a jit's in/out shardings, a
-    constraint, `reshard`, `device_put`, an output sharding), each with the first equation naming it
-    (`jit create`, `sharding_constraint`), in trace order."""
+    constraint, `reshard`, `device_put`, an output sharding, a `shard_map`'s mesh, a mesh set with
+    `jax.set_mesh`), each with the first equation naming it (`jit create`, `sharding_constraint
+    sharding`), in trace order."""
     found: dict[MeshShape, str] = {}
     for eqn in _all_equations(closed):
         for key, value in eqn.params.items():
-            for sharding in _shardings(value):
-                shape = mesh_shape(sharding.mesh)
+            for mesh in _meshes_in(value):
+                shape = mesh_shape(mesh)
                 if shape and shape not in found:  # an empty mesh is jax's own "no mesh"
                     name = eqn.params.get("name") if eqn.primitive.name in _JIT else None
                     found[shape] = f"{eqn.primitive.name} {name}" if name else f"{eqn.primitive.name} {key}"
@@ -110,6 +115,8 @@ def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the 
     on a mesh whose axis names or sizes are not `mesh`'s: the dump would lay the program's specs on
     another mesh than the one it runs on."""
     want = mesh_shape(mesh)
+    if not want:  # traced outside any mesh: nothing to hold the program's against
+        return
     for shape, where in meshes(closed):
         if shape != want:
             raise BadInput(f"{what} places its arrays on its own mesh {mesh_text(shape)} ({where}), not on "
@@ -169,40 +176,39 @@ def returned(closed: ClosedJaxpr, count: int) -> list[PartitionSpec | None]:
     return out
 
 
-def demanded(closed: ClosedJaxpr, indices: Iterable[int], skip: str | None = None) -> dict[int, PartitionSpec]:
-    """{input index: spec} of the inputs the function demands a layout of: the first placement the
-    input meets, a constraint, `reshard` or `device_put` of it, or a jit taking it with an
-    `in_shardings` entry (else the first placement inside that jit's body). Placements whose name
-    stack holds `skip` (the harness's own, made before the program runs) are followed through."""
+def demanded(closed: ClosedJaxpr, indices: Iterable[int], skip: str | None = None,
+             placements: bool = True) -> dict[int, PartitionSpec]:
+    """{input index: spec} of the inputs the function demands a layout of at its top: where the first
+    equation to use the input places it (a constraint, `reshard` or `device_put` of it), or is a jit
+    taking it with an `in_shardings` entry (else the same inside that jit's body). A placement whose
+    name stack holds `skip` (the harness's own, made before the program runs) is followed through.
+    With `placements` False only a jit's `in_shardings` count (the layout a step takes its state in).
+    An input first used in a computation is taken as it comes: a reshard deep in the model (of the
+    tokens before an embedding gather) is the model's work, not a layout the program demands."""
     found = {}
     for index in indices:
-        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip)
+        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip, placements)
         if spec is not None:
             found[index] = spec
     return found
 
 
-def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None) -> PartitionSpec | None:
-    for eqn in jaxpr.eqns:
-        positions = [i for i, v in enumerate(eqn.invars) if v is var]
-        if not positions:
-            continue
-        name, at = eqn.primitive.name, positions[0]
-        if name in _PLACING or name == "device_put":
-            sharding = eqn.params[_PLACING[name]] if name in _PLACING else eqn.params["devices"][at]
-            if skip is not None and skip in str(eqn.source_info.name_stack):
-                return _first_placement(jaxpr, eqn.outvars[at], skip)
-            spec = _given(sharding)
-            if spec is not None:
-                return spec
-        elif name in _JIT:
-            spec = _given(eqn.params["in_shardings"][at])
-            if spec is not None:
-                return spec
-            inner = eqn.params["jaxpr"].jaxpr
-            spec = _first_placement(inner, inner.invars[at], skip)
-            if spec is not None:
-                return spec
+def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None, placements: bool) -> PartitionSpec | None:
+    eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.invars)), None)
+    if eqn is None:
+        return None
+    name, at = eqn.primitive.name, next(i for i, v in enumerate(eqn.invars) if v is var)
+    if name in _PLACING or name == "device_put":
+        if skip is not None and skip in str(eqn.source_info.name_stack):
+            return _first_placement(jaxpr, eqn.outvars[at], skip, placements)
+        sharding = eqn.params[_PLACING[name]] if name in _PLACING else eqn.params["devices"][at]
+        return _given(sharding) if placements else None
+    if name in _JIT:
+        spec = _given(eqn.params["in_shardings"][at])
+        if spec is not None:
+            return spec
+        inner = eqn.params["jaxpr"].jaxpr
+        return _first_placement(inner, inner.invars[at], skip, placements)
     return None
 
 
@@ -210,9 +216,10 @@ def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None) -> PartitionSpec 
 
 @dataclasses.dataclass(frozen=True)
 class HandBack:
-    """A leaf a step hands back in another layout than it took it in: the step reshards it to
-    `came_back` at its end, and the next step brings it back to `went_in` (its jit's in_shardings, or
-    the state's type) at its start."""
+    """A state leaf a step lays out otherwise than the state holds it (`went_in`): handed back in
+    another layout (`came_back`), it is resharded at the end of every step and brought back to
+    `went_in` when the next step takes it; taken in another layout (a jit's `in_shardings`, then also
+    `came_back`), it is resharded at the start of every step and back at its end."""
 
     path: str
     shape: tuple[int, ...]
@@ -224,7 +231,7 @@ class HandBack:
     @property
     def moved_bytes(self) -> int:
         """Bytes the device that moves most receives per step for this leaf: what it lacks of its shard
-        in the returned layout, then what it lacks of its shard in the state's layout again."""
+        in the step's layout, then what it lacks of its shard in the state's layout again."""
         axes = sorted({a for spec in (self.went_in, self.came_back) for d in range(len(self.shape))
                        for a in specs.spec_axes(spec, len(self.shape))[d]})
         most = 0
@@ -253,9 +260,10 @@ def _size(box: Sequence[tuple[int, int]]) -> int:
 
 def hand_backs(back: Sequence[PartitionSpec | None], leaves: Sequence[tuple[str, tuple[int, ...], str, Any]],
                sizes: Mapping[str, int]) -> list[HandBack]:
-    """The leaves (path, shape, dtype, the spec they went in with) whose returned spec `back` (one per
-    leaf, None: undecided) lays them out otherwise on a mesh of `sizes`; axes of size 1 split nothing,
-    so a spec that differs only by them is the same layout."""
+    """The leaves (path, shape, dtype, the spec the state holds them on) whose spec in the step `back`
+    (one per leaf, as :func:`returned` or :func:`demanded` read it; None: undecided) lays them out
+    otherwise on a mesh of `sizes`; axes of size 1 split nothing, so a spec that differs only by them
+    is the same layout."""
     out = []
     for spec, (path, shape, dtype, went) in zip(back, leaves):
         if spec is None:

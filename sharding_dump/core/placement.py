@@ -72,19 +72,13 @@ def declared_specs(closed: Any) -> list[PartitionSpec | None]:
 
 def placed_outputs(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) -> tuple[Any, dict[str, PartitionSpec]]:
     """The abstract outputs of init (a pytree of ShapeDtypeStructs) with each declared spec in its
-    leaf's type, as a trainer's state holds it after its jitted init, and {leaf path: declared spec}."""
+    leaf's type, as a trainer's state holds it after its jitted init, and {leaf path: declared spec}
+    (every spec on `mesh`: :func:`sharding_dump.core.handback.check_mesh` refused any other first)."""
     from sharding_dump.core.layout import path_text
 
     flat, _ = jax.tree_util.tree_flatten_with_path(shapes)
     _check_paths([path_text(key_path) for key_path, _ in flat])
     declared = {path_text(key_path): spec for (key_path, _), spec in zip(flat, specs) if spec is not None}
-    for path, spec in declared.items():
-        unknown = [axis for entry in spec for axis in (entry if isinstance(entry, tuple) else (entry,))
-                   if axis is not None and axis not in mesh.axis_names]
-        if unknown:
-            raise BadInput(f"init placed {shown(path)} on {PartitionSpec(*spec)}, but the case's mesh has no axis "
-                           f"{shown(unknown[0])} (its axes: {', '.join(mesh.axis_names)}): place the state on the "
-                           "mesh of jax.sharding.get_abstract_mesh() inside init, not on a mesh of its own")
     return placed(shapes, declared, mesh), declared
 
 

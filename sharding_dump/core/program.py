@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import state as core_state
 from sharding_dump.core.boundary import UserCodeError, guard
@@ -65,15 +65,25 @@ class Input:
     size and sequence length; in a serving step `slots`, `prefill_length`, `max_length`), dtype and
     logical axes. Without logical axes the field is placed like
     the tokens (the rule file's input axes, else the data pipeline's layout) on its first two
-    dimensions."""
+    dimensions. `sharding` is the program's own data sharding instead (Kauldron's `sharding.ds`):
+    the layout its own data pipeline hands the field over in, a PartitionSpec of mesh axes or a
+    NamedSharding on the case's mesh; the golden records it as the program's batch layout."""
 
     shape: tuple[int | str, ...] = SIZES
     dtype: str = "int32"
     logical_axes: tuple[str | None, ...] | None = None
+    sharding: PartitionSpec | NamedSharding | None = None
 
     def __post_init__(self) -> None:
         """Checked where it is written, so the line names the argument rather than a later trace."""
         shape, axes = self.shape, self.logical_axes
+        spec = self.sharding.spec if isinstance(self.sharding, NamedSharding) else self.sharding
+        if spec is not None and not isinstance(spec, PartitionSpec) or spec is not None and len(spec) > len(shape):
+            raise ProgramError(f"Input(sharding={shown(self.sharding)}): give None, a PartitionSpec of mesh axes "
+                               "of at most one entry per dimension, or a NamedSharding")
+        if spec is not None and axes is not None:
+            raise ProgramError(f"Input(logical_axes={shown(axes)}, sharding={shown(self.sharding)}): give one of "
+                               "them: logical axes the rule file places, or the program's own sharding")
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not all(
                 isinstance(d, str) and d in SIZES + SERVING_SIZES
                 or isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
@@ -367,10 +377,12 @@ class ModelProgram:
                    input_spec: PartitionSpec | None) -> Step:
         """The harness's next-token step over this model's call."""
         step = next_token_step(model.apply, optimizer, None, logits=self.pick_logits, streams=self.streams())
-        own = {name: f.logical_axes for name, f in self.batch_fields().items()}
+        fields = self.batch_fields()
+        own = {name: f.logical_axes for name, f in fields.items()}
+        shardings = {name: f.sharding for name, f in fields.items()}
 
         def placed(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any]:
-            return step(state, place_batch(batch, input_axes, input_spec, own))
+            return step(state, place_batch(batch, input_axes, input_spec, own, shardings))
 
         return placed
 
@@ -445,11 +457,13 @@ class TrainProgram:
 
     def step(self, input_axes: Sequence[str | None] | None, input_spec: PartitionSpec | None) -> Step:
         """Their step, with the batch placed first and the state's linen boxes removed."""
-        own = {name: f.logical_axes for name, f in self.batch_fields().items()}
+        fields = self.batch_fields()
+        own = {name: f.logical_axes for name, f in fields.items()}
+        shardings = {name: f.sharding for name, f in fields.items()}
 
         def step(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any]:
             state = unbox(state)
-            batch = place_batch(batch, input_axes, input_spec, own)
+            batch = place_batch(batch, input_axes, input_spec, own, shardings)
             with user_code(f"the program's train_step {_name(self.train_step)}", call_text("train_step", [
                     "state", batch]), "train_step(state, batch) returns (new state, metrics)"):
                 out = self.train_step(state, batch)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core.capture import constrain, constrain_spec
 from sharding_dump.core.layout import unbox
@@ -28,15 +28,21 @@ Logits = Callable[[Any, dict[str, jax.Array]], jax.Array]  # (model output, batc
 
 def place_batch(batch: Mapping[str, jax.Array], input_axes: Sequence[str | None] | None = None,
                 input_spec: PartitionSpec | None = None,
-                own_axes: Mapping[str, Sequence[str | None] | None] | None = None) -> dict[str, jax.Array]:
+                own_axes: Mapping[str, Sequence[str | None] | None] | None = None,
+                own_shardings: Mapping[str, PartitionSpec | NamedSharding | None] | None = None
+                ) -> dict[str, jax.Array]:
     """Every batch field placed as the trainer's input layout says, each noted under its field name:
-    on its own logical axes (`own_axes`), else on `input_axes` (batch, sequence), else on the
-    physical `input_spec` the data pipeline delivers; unplaced when none is given. A field of higher
-    rank keeps its other dimensions whole."""
+    on the program's own sharding of it (`own_shardings`, in mesh axes), else on its own logical axes
+    (`own_axes`), else on `input_axes` (batch, sequence), else on the physical `input_spec` the data
+    pipeline delivers; unplaced when none is given. A field of higher rank keeps its other
+    dimensions whole."""
     out = {}
     for name, x in batch.items():
         axes = (own_axes or {}).get(name) or input_axes
-        if axes is not None:
+        own = (own_shardings or {}).get(name)
+        if own is not None:
+            out[name] = constrain_spec(x, own, name)
+        elif axes is not None:
             out[name] = constrain(x, _padded(axes, x.ndim), name)
         elif input_spec is not None:
             out[name] = constrain_spec(x, PartitionSpec(*_padded(tuple(input_spec), x.ndim)), name)

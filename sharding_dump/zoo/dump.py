@@ -303,52 +303,60 @@ def warn_uneven(setup: CaseSetup, layouts: list[TensorLayout]) -> None:
         stacklevel=2)
 
 
-def handed_back(setup: CaseSetup, layouts: list[TensorLayout]) -> list[HandBack]:
-    """The state leaves the case's step hands back in another layout than the state holds them in."""
-    returned_specs = dict(step_reading(setup).returned)
-    went = [t for t in layouts if t.path in returned_specs]
-    return hand_backs([returned_specs[t.path] for t in went],
-                      [(t.path, t.shape, t.dtype, t.partition_spec) for t in went], setup.plan.sizes)
+STEP_ENDS = ("taken", "returned")  # where a step may lay the state out otherwise: as it takes it, as it returns it
 
 
-def program_batch(setup: CaseSetup) -> dict[str, tuple[specs.SpecJson, specs.SpecJson]]:
-    """{batch field: (the program's spec, the rule file's)} of every field the program's step takes
-    in a layout of its own (its jit's in_shardings, a constraint or reshard at its top)."""
-    fields = case_batch(setup)
-    placed_by_rules = {c.name: c.partition_spec for c in step_reading(setup).constraints
-                       if c.pass_ == "forward" and not c.module and c.name in fields}
+def handed_back(setup: CaseSetup, layouts: list[TensorLayout]) -> dict[str, list[HandBack]]:
+    """The state leaves the case's step takes in (`taken`: its jit's in_shardings, a constraint on
+    the state at its top) or hands back in (`returned`) another layout than the state holds them in."""
+    reading = step_reading(setup)
     out = {}
-    for name, spec in step_reading(setup).batch:
-        ndim = fields[name].ndim
-        rule = placed_by_rules.get(name, setup.batch.pipeline_spec)
-        out[name] = (specs.spec_to_json(spec, ndim), specs.spec_to_json(rule, ndim))
+    for end in STEP_ENDS:
+        given = dict(getattr(reading, end))
+        went = [t for t in layouts if t.path in given]
+        out[end] = hand_backs([given[t.path] for t in went], [(t.path, t.shape, t.dtype, t.partition_spec) for t in went],
+                              setup.plan.sizes)
     return out
 
 
-def warn_program_layouts(setup: CaseSetup, backs: list[HandBack],
+def program_batch(setup: CaseSetup) -> dict[str, tuple[specs.SpecJson, specs.SpecJson]]:
+    """{batch field: (the program's spec, the rule file's data_sharding)} of every field the program
+    takes in a layout of its own: the one its step demands (its jit's in_shardings, a constraint or
+    reshard at its top), else its own data sharding (`Input(sharding=...)`)."""
+    fields = case_batch(setup)
+    declared = {name: field.sharding for name, field in batch_fields(setup.case).items()
+                if field is not None and field.sharding is not None}
+    own = {**{name: getattr(s, "spec", s) for name, s in declared.items()}, **dict(step_reading(setup).batch)}
+    return {name: (specs.spec_to_json(spec, fields[name].ndim),
+                   specs.spec_to_json(setup.batch.pipeline_spec, fields[name].ndim))
+            for name, spec in own.items()}
+
+
+def warn_program_layouts(setup: CaseSetup, backs: dict[str, list[HandBack]],
                          batch: dict[str, tuple[specs.SpecJson, specs.SpecJson]]) -> None:
     """Says aloud (ProgramLayoutWarning) where the program lays out otherwise than the case: its batch
-    against the rule file's data_sharding, and the state its step hands back."""
+    against the rule file's data_sharding, and the state its step takes or hands back."""
     sizes = setup.plan.sizes
     for name, (own, rule) in sorted(batch.items()):
         if specs.spec_to_json(own, len(own), sizes) != specs.spec_to_json(rule, len(rule), sizes):
             warnings.warn(ProgramLayoutWarning(
                 f"{setup.case.label}: the program's step takes batch field {name!r} on {own}, where the rule file's "
                 f"data_sharding places it on {rule}; the golden holds the program's"), stacklevel=2)
-    if backs:
-        first = backs[0]
-        warnings.warn(ProgramLayoutWarning(
-            f"{setup.case.label}: the step hands {len(backs)} state lea{'f' if len(backs) == 1 else 'ves'} back in "
-            f"another layout than {'it' if len(backs) == 1 else 'they'} went in, resharded every step, e.g. "
-            f"{first.path} {first.went_in} -> {first.came_back}; `sharding-dump check` lists them"), stacklevel=2)
+    for end, does in zip(STEP_ENDS, ("takes", "hands back")):
+        if backs[end]:
+            first, count = backs[end][0], len(backs[end])
+            warnings.warn(ProgramLayoutWarning(
+                f"{setup.case.label}: the step {does} {count} state lea{'f' if count == 1 else 'ves'} in another "
+                f"layout than the state holds {'it' if count == 1 else 'them'} in, resharded every step, e.g. "
+                f"{first.path} {first.went_in} -> {first.came_back}; `sharding-dump check` lists them"), stacklevel=2)
 
 
 def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     """Every golden document of `case`, keyed by file name (UnevenSplitWarning when a leaf splits
     unevenly, ProgramLayoutWarning where the program lays out otherwise than the case). A user's
     program adds to the activations' header what it decides itself: `batch.program_spec`, the layout
-    it takes each batch field in, and `returned`, the layout of every state leaf its step hands back
-    otherwise than the state holds it."""
+    it takes each batch field in, and `taken` and `returned`, the layout of every state leaf its step
+    takes or hands back otherwise than the state holds it."""
     with fewer_collections():
         setup, layouts = case_layouts(case)
         warn_uneven(setup, layouts)
@@ -360,8 +368,9 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     step_header: dict[str, Any] = {"batch": setup.batch.header()}
     if batch:
         step_header["batch"]["program_spec"] = {name: own for name, (own, _) in sorted(batch.items())}
-    if backs:
-        step_header["returned"] = {back.path: back.came_back for back in backs}
+    for end in STEP_ENDS:
+        if backs[end]:
+            step_header[end] = {back.path: back.came_back for back in backs[end]}
     return documents.golden_documents(layouts, setup.plan.abstract_mesh(), constraints, header=header(setup),
                                       activation_header=step_header)
 
@@ -429,11 +438,12 @@ def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
 @dataclasses.dataclass(frozen=True)
 class StepReading:
     """What one traced training step of the case holds: its activation placements, and what a user's
-    program decides in it (:mod:`sharding_dump.core.handback`): {state leaf: the spec the step hands
-    it back on} where the step declares one, {batch field: the spec the program takes it on} where it
-    demands one."""
+    program decides in it (:mod:`sharding_dump.core.handback`): (state leaf, spec) pairs of the
+    layouts its step takes the state in and hands it back in where it declares them, and (batch
+    field, spec) of the layouts it demands of its batch."""
 
     constraints: tuple[Constraint, ...]
+    taken: tuple[tuple[str, PartitionSpec], ...] = ()
     returned: tuple[tuple[str, PartitionSpec], ...] = ()
     batch: tuple[tuple[str, PartitionSpec], ...] = ()
 
@@ -463,12 +473,13 @@ def _recorded(step: _StepOf) -> StepReading:
     check_mesh(closed, setup.step_mesh(), "the program's step")
     state = [path_text(key) for key, _ in jax.tree_util.tree_leaves_with_path(abstract_state_of(setup))]
     back = tuple((path, spec) for path, spec in zip(state, returned(closed, len(state))) if spec is not None)
+    taken = tuple((state[i], spec) for i, spec in demanded(closed, range(len(state)), placements=False).items())
     fields = [path_text(key) for key, _ in jax.tree_util.tree_leaves_with_path(case_batch(setup))]
     batch = []
     for index, name in enumerate(fields, start=len(state)):
         skip = f"activation:{name}@{rec.token}."  # the harness's own placement of the field, made first
         batch += [(name, spec) for spec in demanded(closed, [index], skip).values()]
-    return StepReading(constraints, back, tuple(batch))
+    return StepReading(constraints, taken, back, tuple(batch))
 
 
 def render_case(case: Case) -> dict[str, bytes]:

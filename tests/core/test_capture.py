@@ -16,9 +16,9 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, auto_axes, resha
 from jax.sharding import PartitionSpec as P
 
 import sharding_dump as sd
-from helpers import REPO
+from helpers import REPO, forget_programs, program_case
 from sharding_dump.commands import cli
-from test_placement import PURE_JAX, T5X_TRAIN, forget_programs, fresh, make_case  # noqa: F401 (fresh: a fixture)
+from test_placement import PURE_JAX, T5X_TRAIN
 
 EXPLICIT = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 AUTO = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -277,7 +277,7 @@ def test_pure_jax_llama_activations_as_its_own_rules_place_them(fresh):
     from examples import pure_jax_llama as pj
     from sharding_dump.zoo.dump import dump_case
 
-    acts = dump_case(make_case(PURE_JAX))["activation_shardings.json"]["tensors"]
+    acts = dump_case(program_case(PURE_JAX))["activation_shardings.json"]["tensors"]
     own = {f"{p}/{site}": [e for e in pj.spec(pj.RULES, *axes)] for site, axes in PURE_JAX_SITES.items()
            for p in ("forward", "backward")}
     assert {key: acts[key]["partition_spec"] for key in own} == own
@@ -291,7 +291,7 @@ def test_pure_jax_llama_activation_rule_edit_fails_its_golden(fresh, tmp_path):
     from sharding_dump.golden.engine import check_or_update_folder
     from sharding_dump.zoo.dump import render_case
 
-    case = make_case(PURE_JAX)
+    case = program_case(PURE_JAX)
     folder = tmp_path / "golden"
     assert check_or_update_folder(folder, render_case(case), update=True).status == "written"
     fresh.setattr(pj, "RULES", pj.dataclasses.replace(pj.RULES, act_mlp=None))
@@ -308,7 +308,7 @@ def test_t5x_style_records_its_activation_constraints_and_no_weight_read(fresh):
     The activations keep the logical axes the model writes, under each layer's module path."""
     from sharding_dump.zoo.dump import dump_case
 
-    acts = dump_case(make_case(T5X_TRAIN))["activation_shardings.json"]["tensors"]
+    acts = dump_case(program_case(T5X_TRAIN))["activation_shardings.json"]["tensors"]
     layers = [f"{p}/layers_{i}/batch.length.{a}" for p in ("forward", "backward") for i in (0, 1) for a in ("embed", "mlp")]
     batch = [f"forward/{field}" for field in ("inputs", "targets")]
     assert sorted(acts) == sorted(layers + batch + ["forward/batch.length.embed", "backward/batch.length.embed"])

@@ -14,17 +14,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import warnings
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from helpers import FSDP, JITTED, REPO, golden_after, program_case
-from sharding_dump.core.handback import HandBack
-from sharding_dump.errors import ProgramLayoutWarning
+from sharding_dump.core.handback import HandBack, check_mesh
+from sharding_dump.errors import BadInput, ProgramLayoutWarning
 from sharding_dump.golden import codec
 from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case
@@ -51,6 +55,26 @@ def test_moved_bytes(went, came, moved):
     assert back.moved_bytes == moved
 
 
+# --- the program's own mesh --------------------------------------------------------------------------------
+
+def test_a_mesh_of_the_programs_own_is_refused_naming_both():
+    """A sharding on a mesh of other sizes than the case's is refused in one line naming both meshes and
+    where the program names it; one on the case's mesh, or a trace outside any mesh, passes."""
+    case = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def init_on(mesh):
+        return lambda: jax.jit(lambda: jnp.zeros((8, 8)), out_shardings=NamedSharding(mesh, P("data")))()
+
+    own = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.sharding.use_abstract_mesh(case):
+        closed = jax.make_jaxpr(init_on(own))()
+        check_mesh(jax.make_jaxpr(init_on(case))(), case, "the program's init")
+    with pytest.raises(BadInput, match=r"^the program's init places its arrays on its own mesh data=2 x model=4 "
+                                       r"\(jit <lambda>\), not on the case's mesh data=4 x model=2: "):
+        check_mesh(closed, case, "the program's init")
+    check_mesh(closed, jax.sharding.get_abstract_mesh(), "the program's init")  # no mesh: nothing to hold it to
+
+
 # --- a program that places its own batch and constrains its whole state at the end of its step -----------
 
 def fsdp_specs(strategy) -> dict[str, tuple]:
@@ -60,7 +84,7 @@ def fsdp_specs(strategy) -> dict[str, tuple]:
 
     mesh = dump.setup_case(program_case(FSDP)).plan.abstract_mesh()
     model = ft.MLPLM()
-    shapes = jax.eval_shape(lambda k: model.init(k, jax.numpy.zeros((1, 8), "int32"))["params"], jax.random.key(0))
+    shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 8), "int32"))["params"], jax.random.key(0))
     return {"params/" + path_text(k): tuple(strategy.fsdp(leaf.shape, mesh))
             for k, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
 
@@ -82,18 +106,21 @@ def test_fsdp_trainer_every_leaf_as_its_strategy_places_it(fresh):
     assert "returned" not in activations  # the step hands everything back as init placed it
 
 
-def test_fsdp_trainer_batch_layout_edit_fails_its_golden(fresh, tmp_path):
-    """The trainer's own batch layout (Kauldron's `ShardingStrategy(batch=REPLICATED)`): the golden
+@pytest.mark.parametrize("factory", ["small_lm", "small_lm_data_sharding"])
+def test_fsdp_trainer_batch_layout_edit_fails_its_golden(fresh, tmp_path, factory):
+    """The trainer's own batch layout (Kauldron's `ShardingStrategy(batch=REPLICATED)`), constrained at
+    the top of its step or delivered so by its own data pipeline (`Input(sharding=...)`): the golden
     fails naming the batch, and the dump says it differs from the rule file's data_sharding."""
     from examples import fsdp_trainer as ft
 
-    report = golden_after(tmp_path, FSDP, goldens,
+    spec = (f"examples.fsdp_trainer:{factory}",) + FSDP[1:]
+    report = golden_after(tmp_path, spec, goldens,
                           lambda: fresh.setattr(ft, "STRATEGY", ft.ShardingStrategy(batch=ft.REPLICATED)))
     assert 'header batch.program_spec  golden {"inputs":["fsdp",null],"targets":["fsdp",null]}  now ' \
            '{"inputs":[null,null],"targets":[null,null]}' in report
     with pytest.warns(ProgramLayoutWarning, match=r"takes batch field 'inputs' on \[None, None\], where the rule "
                                                   r"file's data_sharding places it on \['fsdp', None\]"):
-        dump.dump_case(program_case(FSDP))
+        dump.dump_case(program_case(spec))
 
 
 def test_fsdp_trainer_end_of_step_constraint_edit_fails_its_golden(fresh, tmp_path):
@@ -110,7 +137,7 @@ def test_fsdp_trainer_end_of_step_constraint_edit_fails_its_golden(fresh, tmp_pa
     (up,) = [f for f in findings if f.subject.startswith("params/up_0/kernel")]
     assert up.subject == "params/up_0/kernel (and opt_state/0/mu, opt_state/0/nu)"
     # [64, 256] float32 split 8 ways on its columns, handed back whole: 7/8 of 64 KiB gathered per step
-    assert up.message == ('the step hands it back on [null,null] where it went in on [null,"fsdp"]: 56.0 KiB moved '
+    assert up.message == ('the step hands it back on [null,null] where the state holds it on [null,"fsdp"]: 56.0 KiB moved '
                           "per device per step for each")
 
 
@@ -132,7 +159,7 @@ def test_jitted_step_out_shardings_edit_fails_its_golden(fresh, tmp_path):
     assert len(findings) == 6
     # [64, 128] float32 on fsdp x tensor (8 KiB a device) handed back on fsdp only (16 KiB): 8 KiB gathered
     assert findings["params/layers/0/w_up (and opt_state/0/mu, opt_state/0/nu)"] == (
-        'the step hands it back on ["fsdp",null] where it went in on ["fsdp","tensor"]: 8.0 KiB moved per device '
+        'the step hands it back on ["fsdp",null] where the state holds it on ["fsdp","tensor"]: 8.0 KiB moved per device '
         "per step for each")
 
 
@@ -185,6 +212,11 @@ EQX_RUN = textwrap.dedent("""
     out["mesh"] = check()
     eqx_lm.MESH = eqx_lm.MeshConfig(batch_mapping=(("batch", None),))
     out["batch"] = check()
+    eqx_lm.MESH = eqx_lm.MeshConfig(step_mapping=(("embed", "data"), ("mlp", None), ("heads", "model"),
+                                                  ("vocab", "model")))
+    out["step"] = check()
+    from sharding_dump.commands import check as lint
+    out["findings"] = [(f.subject, f.message) for f in lint.lint_case(case) if f.lint == "handback"]
     print(json.dumps(out))
 """)
 
@@ -224,3 +256,31 @@ def test_own_mesh_batch_layout_edit_fails_its_golden(eqx_run):
     assert eqx_run["batch"].startswith("differs: ")
     assert 'header batch.program_spec  golden {"inputs":["data",null],"targets":["data",null]}  now ' \
            '{"inputs":[null,null],"targets":[null,null]}' in eqx_run["batch"]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"sharding": "fsdp"}, "Input(sharding='fsdp'): give None, a PartitionSpec of mesh axes"),
+    ({"sharding": P("fsdp", None, None)}, "of at most one entry per dimension"),
+    ({"logical_axes": ("batch", "length"), "sharding": P("fsdp")}, "give one of them: logical axes the rule file "
+                                                                    "places, or the program's own sharding"),
+])
+def test_input_sharding_is_checked_where_it_is_written(kwargs, says):
+    from sharding_dump.core.program import ProgramError
+    import sharding_dump as sd
+
+    with pytest.raises(ProgramError, match=re.escape(says)):
+        sd.Input(**kwargs)
+
+
+def test_own_mesh_step_mapping_edit_fails_its_golden(eqx_run):
+    """The step's jit takes and returns the state on another mapping (Levanter's axis_resources) than
+    init placed it on: the golden names every leaf taken and handed back otherwise, and `check` lists
+    both ends with the bytes they move."""
+    assert eqx_run["step"].startswith("differs: ")
+    assert 'header taken.model/blocks/0/up/weight  golden "(absent)"  now ["data",null]' in eqx_run["step"]
+    assert 'header returned.model/blocks/1/down/weight  golden "(absent)"  now [null,"data"]' in eqx_run["step"]
+    assert "model/blocks/0/qkv" not in eqx_run["step"]
+    # [64, 128] float32 on data=4 x model=2 (4 KiB a device) taken on data only (8 KiB): 4 KiB gathered
+    assert ("model/blocks/0/up/weight", 'the step takes it on ["data",null] where the state holds it on '
+            '["data","model"]: 4.0 KiB moved per device per step') in [tuple(f) for f in eqx_run["findings"]]
+    assert len(eqx_run["findings"]) == 2 * 4 * 3  # taken and handed back: 4 MLP weights and their 2 moments

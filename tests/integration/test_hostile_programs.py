@@ -270,8 +270,9 @@ PROBES: list[tuple[str, list[str], str]] = [
                                                                 "init(key) -> state"),
     ("TrainProgram-step-a-HF-model", factory("train_step_hf"), "TrainProgram(train_step=<transformers.models.llama."),
     # --- a state init places or names itself -----------------------------------------------------------
-    ("init-placed-on-its-own-mesh", factory("init_own_mesh"), "init placed 'params/w' on P('own',), but the case's "
-                                                               "mesh has no axis 'own' (its axes: data)"),
+    ("init-placed-on-its-own-mesh", factory("init_own_mesh"), "places its arrays on its own mesh own=7 (jit <lambda>), "
+                                                               "not on the case's mesh data=2: give the case the "
+                                                               "program's mesh"),
     ("state-empty-key", factory("state_empty_key"), "init returned a state with a leaf at '', a path with an empty "
                                                     "name"),
     ("state-bare-array", factory("state_bare_array"), "init returned a state with a leaf at ''"),
