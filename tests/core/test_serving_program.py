@@ -79,3 +79,36 @@ def test_an_init_without_the_cache_key_is_one_line():
     with pytest.raises(sd.ProgramError, match=r"returned a state without 'cache' \(its top-level keys: kv, weights\); "
                                               r"ServingProgram\(cache=...\) names the keys"):
         traced(sd.ServingProgram(lambda key, s: {"weights": jnp.zeros(2), "kv": jnp.zeros(2)}, {"generate": write}))
+
+
+def test_an_insert_takes_the_prefill_outputs_as_they_came_out():
+    """MaxEngine's order: a prefill of one prompt hands its cache out (split over its sequence), an insert
+    takes it (takes='prefill') and writes it into a slot of the state's cache (split over slots)."""
+
+    def prefill(state, inputs, settings):
+        prefix = jax.sharding.reshard(jnp.zeros((1, settings.max_length, 4)), P(None, "x"))
+        return state, {"cache": prefix}
+
+    def insert(state, inputs, settings):
+        prefix = jax.sharding.reshard(inputs["prefill"]["cache"], P())  # the program's own reshard
+        update = jax.sharding.reshard(jnp.broadcast_to(prefix, state["cache"].shape), P("x"))
+        return {**state, "cache": jax.lax.dynamic_update_slice(state["cache"], update, (0, 0, 0))}, {}
+
+    steps = {"prefill": sd.ServingStep(prefill, {"tokens": sd.Input((1, "prefill_length"))}, requests=1),
+             "insert": sd.ServingStep(insert, takes="prefill"),
+             "generate": sd.ServingStep(write, {"tokens": sd.Input(("slots", 1))})}
+    program_steps = traced(sd.ServingProgram(tiny_init, steps))
+    first, second, _ = program_steps
+    (leaf, spec), = first.outputs.values()
+    assert tuple(leaf.shape) == (1, 16, 4) and spec == P(None, "x", None) and first.requests == 1
+    assert second.takes == "prefill" and set(second.inputs) == {"prefill/cache"}
+    # the prompt's cache reaches the state's layout only through the insert's reshard: a hand-off of one
+    # request's 256 bytes, of which the device that moves most receives its other half (128 bytes)
+    from sharding_dump.core.layout import TensorLayout
+    from sharding_dump.zoo import serving
+
+    layouts = tuple(TensorLayout(path, shape, "float32", (None,) * len(shape), spec, {"x": 2})
+                    for path, shape, spec in (("weights", (8, 4), P()), ("cache", (4, 16, 4), P("x"))))
+    moved = serving.handoffs(serving.Traced(SETTINGS, layouts, tuple(program_steps), ("cache",)), {"x": 2})
+    assert {pair: [(m.path, m.bytes_per_request, m.back.moved_bytes) for m in found] for pair, found in moved.items()} \
+        == {"prefill.insert": [("prefill/cache", 256, 128)], "insert.generate": [], "generate.generate": []}
