@@ -39,7 +39,7 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core.capture import Constraint, explicit_mesh, read_constraints, recording
-from sharding_dump.core.handback import check_mesh, returned
+from sharding_dump.core.handback import check_mesh, demanded, returned
 from sharding_dump.core.layout import path_text, unbox
 from sharding_dump.core.program import SERVING_SIZES as SIZES
 from sharding_dump.core.program import Input, ProgramError, call_text, describe, user_code
@@ -171,10 +171,10 @@ class ServingProgram:
 
 @dataclasses.dataclass(frozen=True)
 class StepTrace:
-    """One step as traced: per state leaf path the spec it is taken in (the state's: a server passes
-    the state it holds) and handed back in (None: not placed, the compiler decides), its inputs' and
-    outputs' abstract values (outputs with the spec the step gives them), and its activation
-    placements."""
+    """One step as traced: per state leaf path the spec it is taken in (its jit's in_shardings, else the
+    state's: a server passes the state it holds) and handed back in (None: not placed, the compiler
+    decides), its inputs' and outputs' abstract values (outputs with the spec the step gives them), and
+    its activation placements."""
 
     name: str
     requests: int
@@ -246,7 +246,8 @@ def trace_steps(program: ServingProgram, settings: ServingSettings, state: Any, 
             activations = tuple(read_constraints(closed, rec))
         except ValueError as err:
             raise ProgramError(f"the program's {name} step: {err}") from None
-        taken = {path: state_in.get(path) for path, _ in _flat(state)}
+        own = demanded(closed, range(len(jax.tree.leaves(state))), placements=False)  # its jit's in_shardings
+        taken = {path: own.get(index, state_in.get(path)) for index, (path, _) in enumerate(_flat(state))}
         traces.append(StepTrace(name, step.request_count(settings), taken, out_state,
                                 {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _flat(inputs)},
                                 out_leaves, activations, step.takes))

@@ -112,3 +112,17 @@ def test_an_insert_takes_the_prefill_outputs_as_they_came_out():
     moved = serving.handoffs(serving.Traced(SETTINGS, layouts, tuple(program_steps), ("cache",)), {"x": 2})
     assert {pair: [(m.path, m.bytes_per_request, m.back.moved_bytes) for m in found] for pair, found in moved.items()} \
         == {"prefill.insert": [("prefill/cache", 256, 128)], "insert.generate": [], "generate.generate": []}
+
+
+def test_a_step_whose_jit_takes_the_cache_in_another_layout_records_it():
+    """A generate step jitted with in_shardings of its own takes the cache replicated where the state
+    holds it split over x: its `in` is the step's layout, so the golden and the hand-off see it."""
+
+    def generate(state, inputs, settings):
+        mesh = jax.sharding.get_abstract_mesh()
+        whole = NamedSharding(mesh, P())
+        step = jax.jit(lambda s: s, in_shardings=({"weights": whole, "cache": whole},))
+        return step(state), {}
+
+    (step,) = traced(sd.ServingProgram(tiny_init, {"generate": generate}))
+    assert step.state_in == {"weights": P(), "cache": P()}
