@@ -11,6 +11,8 @@ Pieces, for your own step or state:
 
 * :class:`ModelProgram`, :class:`TrainProgram`, :class:`Input`: the training program a factory returns
   (the model and how to call it, or the user's own init and step);
+* :class:`ServingProgram`, :class:`ServingStep`, :class:`ServingSettings`: a serving program (init of
+  weights and KV cache at the case's slots and lengths, and named steps: prefill, insert, generate);
 * :func:`abstract_train_state`, :func:`as_model`, :func:`parameter_count`: the abstract state;
 * :func:`tensor_layouts` / :func:`leaf_layout`: every leaf's layout on a mesh under a rule set
   (:class:`Rules`: logical axis rules, and :class:`PathRule` regexes for weights without logical axes);
@@ -52,6 +54,9 @@ _EXPORTS = {
     "ModelProgram": "sharding_dump.core.program",
     "TrainProgram": "sharding_dump.core.program",
     "Input": "sharding_dump.core.program",
+    "ServingProgram": "sharding_dump.core.serving",
+    "ServingStep": "sharding_dump.core.serving",
+    "ServingSettings": "sharding_dump.core.serving",
     "ProgramError": "sharding_dump.core.program",
     "golden_documents": "sharding_dump.core.documents",
     "dump_model": "sharding_dump.core.model_dump",

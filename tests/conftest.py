@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 import sharding_dump.commands.verify  # noqa: F401
 import sharding_dump.zoo.dump  # noqa: F401
-from helpers import REPO  # noqa: E402
+from helpers import REPO, forget_programs  # noqa: E402
 from sharding_dump.core.gc_policy import fewer_collections
 
 
@@ -59,6 +59,16 @@ def _in_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts in the checkout, wherever pytest was started (`cd /tmp && pytest CHECKOUT`):
     the messages it reads name paths as a user in the checkout sees them."""
     monkeypatch.chdir(REPO)
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """A monkeypatch for editing an example program: every program built before or while it is used is
+    forgotten, so each dump builds the program as it is edited (and, after the test, as it was)."""
+    forget_programs()
+    yield monkeypatch
+    monkeypatch.undo()
+    forget_programs()
 
 
 @pytest.fixture

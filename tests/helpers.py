@@ -154,9 +154,10 @@ def program_case(spec: tuple) -> Case:
 
 def forget_programs() -> None:
     """Forget every program built in this process: the next dump builds the edited one."""
-    from sharding_dump.zoo import dump
+    from sharding_dump.zoo import dump, serving
 
-    for cached in (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded):
+    for cached in (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded,
+                   serving.init_layouts, serving.trace_case):
         cached.cache_clear()
 
 
@@ -175,3 +176,16 @@ def golden_after(tmp_path: Path, spec: tuple, render: Callable[[Case], dict[str,
     outcome = check_or_update_folder(folder, render(case), update=False)
     assert outcome.status == "differs"
     return outcome.report
+
+
+def cache_resharded(step: Callable[..., Any], spec: Any) -> Callable[..., Any]:
+    """A step of examples/llama3_serving.py that hands its cache back resharded to `spec` (leaves of
+    lower rank than the spec as they were): the program's own `reshard`, as a server's bug writes it."""
+    import jax
+
+    def resharded(state: Any, inputs: Any, settings: Any, base: Any) -> Any:
+        state, out = step(state, inputs, settings, base)
+        cache = jax.tree.map(lambda x: jax.sharding.reshard(x, spec) if x.ndim >= len(spec) else x, state["cache"])
+        return {**state, "cache": cache}, out
+
+    return resharded

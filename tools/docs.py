@@ -56,6 +56,9 @@ EMBED_MUTATION = ("pure-fsdp", "  - [embed, [fsdp]]\n", "  - [embed, []]\n")
 ACTIVATION_MUTATION = ("default", "  - [activation_batch, [data, fsdp, fsdp_transpose, expert]]\n",
                        "  - [activation_batch, []]\n")
 REVIEW_CASE = ("llama2-7b", "v5p-16")
+SERVING_CASE = ("examples.llama3_serving:llama3_70b", "v5e-8", "examples/llama3_serving_rules.yml",
+                {"ici_x_parallelism": 1, "ici_y_parallelism": 8, "shard_mode": "explicit", "per_device_batch_size": 8,
+                 "max_target_length": 8192, "max_prefill_predict_length": 1024, "quantize_kvcache": True})
 SHOW_TENSOR = (["--model", "llama2-7b", "--topology", "tpu7x-2048", "--rule", "default", "ici_fsdp_parallelism=-1",
                 "ici_tensor_parallelism=8"], "params/decoder/layers/mlp/wi_0/kernel")
 
@@ -441,6 +444,7 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         act = Case.make(model, topology, str(_mutated(work, ACTIVATION_MUTATION).relative_to(work)))
         act_report = check_or_update(act, "golden", update=False).report
         blocks["activation-report"] = _cut(act_report[act_report.index("activation_shardings.json"):], 1)
+    blocks["serving-memory"] = _serving_memory()
     args, tensor = SHOW_TENSOR
     parser = options.Parser()
     show.add_arguments(parser)
@@ -498,6 +502,17 @@ def fixture_api() -> str:
     for name, help_text in options.rows:
         parts.append(f"{name}\n" + indented(" ".join(help_text.split())))
     return "\n\n".join(parts)
+
+
+def _serving_memory() -> str:
+    """`check`'s memory finding of jax-llm-examples' Llama 3.1 70B served at 64 slots x 8192 on v5e-8."""
+    from sharding_dump.commands import check, check_serving
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.dump import setup_case
+
+    model, topology, rule, overrides = SERVING_CASE
+    case = Case.make(model, topology, rule, overrides=overrides)
+    return check.render_findings(case, check_serving.check_memory(setup_case(case)))
 
 
 def _card_refusal(work: Path) -> str:

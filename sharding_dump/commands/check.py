@@ -13,6 +13,9 @@
 - replicated: more than a tolerance (default 2%) of the parameter bytes split over no mesh axis of
   size > 1, i.e. held whole by every device;
 - memory: params + optimizer state per device above the topology's HBM per device;
+- a serving case (an sd.ServingProgram) has lints of its own (memory at its slots x length with
+  the largest slot count that fits, a replicated KV cache, steps handing the cache on in another
+  layout): :mod:`sharding_dump.commands.check_serving`;
 - pipeline-layers: a pipelined case that builds more decoder layers (and parameters) than the card's
   model, because MaxText counts `pipeline_parallel_layers` in units of a scanned block (gemma4-31b
   with a pipeline: 60 blocks of 6 layers, 360 layers). The golden is what the run builds; this says so.
@@ -43,6 +46,7 @@ from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import cards, rules, state
 from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.serving import serving_program
 from sharding_dump.zoo.dump import CaseSetup, case_layouts, handed_back, trace_activations
 
 LINT_FILE = DATA_DIR / "lint.yml"
@@ -380,6 +384,10 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     settings = lint_settings()
     tolerance = settings.replicated_tolerance if tolerance is None else tolerance
     setup, layouts = case_layouts(case)
+    if serving_program(case) is not None:  # a server: its state at slots x length, its steps' hand-offs
+        from sharding_dump.commands.check_serving import lint_serving
+
+        return lint_serving(setup, layouts, settings.known_logical_axes, tolerance)
     activation_axes = None
     if setup.config is None:  # a user's model: its own activations name axes its weights may not
         activation_axes = frozenset(n for c in trace_activations(setup) for n in c.logical_axes if n is not None)

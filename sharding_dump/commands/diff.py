@@ -28,6 +28,7 @@ from sharding_dump.golden import codec, diff
 from sharding_dump.golden.engine import display
 
 LAYOUT_FIELDS = ("partition_spec", "per_device_shape", "per_device_bytes")  # shown as columns
+CACHE_BYTES = "cache_bytes."  # a serving case's KV cache bytes (serving_steps.json), shown as their own line
 MAX_ROWS = 100  # per case in text and markdown; JSON has every row
 GITHUB_COMMENT_CHARS = 65_536  # the largest comment GitHub takes: markdown's default --max-chars
 
@@ -200,9 +201,19 @@ def _counts_line(report: CaseReport) -> str:
 
 
 def _memory_changes(report: CaseReport) -> list[str]:
+    """Each part of the state whose bytes per device changed (params and opt_state, or a server's
+    weights and cache), then the total."""
+    first = ("params", "opt_state")
+    groups = sorted(report.memory, key=lambda g: (g == "total", first.index(g) if g in first else len(first), g))
     return [f"{group} {tables.format_bytes(old)} -> {tables.format_bytes(new)} ({tables.format_delta(old, new)})"
-            for group in ("params", "opt_state", "total")
-            for old, new in [report.memory.get(group, (None, None))] if old != new]
+            for group in groups for old, new in [report.memory[group]] if old != new]
+
+
+def _cache_changes(report: CaseReport) -> list[str]:
+    """A serving case's KV cache bytes (serving_steps.json's cache_bytes) that changed, in bytes."""
+    return [f"{key.removeprefix(CACHE_BYTES).replace('_', ' ')} {tables.format_bytes(old)} -> "
+            f"{tables.format_bytes(new)} ({tables.format_delta(old, new)})"
+            for key, (old, new) in sorted(report.header.items()) if key.startswith(CACHE_BYTES)]
 
 
 def _row_cells(row: Row, fmt: str) -> list[str]:
@@ -227,8 +238,12 @@ def _case_block(report: CaseReport, fmt: str, max_rows: int = MAX_ROWS) -> Itera
     memory = _memory_changes(report)
     if memory:
         yield f"{bullet}memory per device: " + ", ".join(memory)
+    cache = _cache_changes(report)
+    if cache:
+        yield f"{bullet}KV cache: " + ", ".join(cache)
     for key, (old, new) in sorted(report.header.items()):
-        yield f"{bullet or '  '}header {key}: {diff.compact(old)} -> {diff.compact(new)}"
+        if not key.startswith(CACHE_BYTES):
+            yield f"{bullet or '  '}header {key}: {diff.compact(old)} -> {diff.compact(new)}"
     for name, side in sorted(report.files_only.items()):
         yield f"{bullet or '  '}{name} only in {side.upper()}"
     chart = pictures.memory_chart(report.memory) if fmt == "markdown" else None

@@ -2,7 +2,7 @@
 
 Plain Python (no jax), so that golden I/O and `sharding-dump diff` read it without loading a model.
 
->>> FILE_KINDS[NAMED_FILE], GOLDEN_FILE_NAMES[-1]
+>>> FILE_KINDS[NAMED_FILE], GOLDEN_FILE_NAMES[2]
 ('named', 'activation_shardings.json')
 >>> document("logical", {"mesh": {}}, {"params/w": {}})["format_version"]
 1
@@ -15,8 +15,9 @@ from typing import Any, Mapping
 NAMED_FILE = "named_shardings.json"
 LOGICAL_FILE = "logical_shardings.json"
 ACTIVATIONS_FILE = "activation_shardings.json"
+SERVING_FILE = "serving_steps.json"  # a serving program's steps, hand-offs and cache bytes
 # The kind of document each golden file name holds: a file of another kind under this name is refused.
-FILE_KINDS = {NAMED_FILE: "named", LOGICAL_FILE: "logical", ACTIVATIONS_FILE: "activations"}
+FILE_KINDS = {NAMED_FILE: "named", LOGICAL_FILE: "logical", ACTIVATIONS_FILE: "activations", SERVING_FILE: "serving"}
 GOLDEN_FILE_NAMES = tuple(FILE_KINDS)
 
 FORMAT_VERSION = 1  # of every document kind not listed in FORMAT_VERSIONS

@@ -50,7 +50,8 @@ from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_b
 from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.errors import shown
 
-SIZES = ("batch", "length")  # the symbolic sizes an Input's shape may name
+SIZES = ("batch", "length")  # the symbolic sizes a training batch's Input may name
+SERVING_SIZES = ("slots", "prefill_length", "max_length")  # those a serving step's Input may name
 
 
 class ProgramError(UserCodeError):
@@ -61,7 +62,8 @@ class ProgramError(UserCodeError):
 @dataclasses.dataclass(frozen=True)
 class Input:
     """One field of the batch: its shape (ints, or `batch` / `length` for the case's global batch
-    size and sequence length), dtype and logical axes. Without logical axes the field is placed like
+    size and sequence length; in a serving step `slots`, `prefill_length`, `max_length`), dtype and
+    logical axes. Without logical axes the field is placed like
     the tokens (the rule file's input axes, else the data pipeline's layout) on its first two
     dimensions. `sharding` is the program's own data sharding instead (Kauldron's `sharding.ds`):
     the layout its own data pipeline hands the field over in, a PartitionSpec of mesh axes or a
@@ -83,10 +85,10 @@ class Input:
             raise ProgramError(f"Input(logical_axes={shown(axes)}, sharding={shown(self.sharding)}): give one of "
                                "them: logical axes the rule file places, or the program's own sharding")
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not all(
-                isinstance(d, str) and d in SIZES or isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                for d in shape):
+                isinstance(d, str) and d in SIZES + SERVING_SIZES
+                or isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise ProgramError(f"Input(shape={shown(shape)}): give a tuple of sizes, each a whole number >= 0 or "
-                               f"one of {', '.join(map(repr, SIZES))}")
+                               f"one of {', '.join(map(repr, SIZES + SERVING_SIZES))}")
         object.__setattr__(self, "shape", tuple(shape))
         try:  # None is no dtype here, though numpy reads it as float64
             numeric = self.dtype is not None and (jnp.issubdtype(jnp.dtype(self.dtype), jnp.number)
@@ -109,7 +111,14 @@ class Input:
 
     def abstract(self, batch: int, length: int) -> jax.ShapeDtypeStruct:
         """This field for a batch of `batch` sequences of `length` tokens."""
-        sizes = {"batch": batch, "length": length}
+        return self.sized({"batch": batch, "length": length})
+
+    def sized(self, sizes: Mapping[str, int]) -> jax.ShapeDtypeStruct:
+        """This field with its symbolic sizes given by `sizes` (name -> int)."""
+        unknown = [d for d in self.shape if isinstance(d, str) and d not in sizes]
+        if unknown:
+            raise ProgramError(f"Input(shape={self.shape}): size {unknown[0]!r} is not one of this program's "
+                               f"({', '.join(sizes)})")
         # the dtype jax gives it (float64 is float32 without jax_enable_x64), not one jax warns about
         return jax.ShapeDtypeStruct(tuple(sizes[d] if isinstance(d, str) else int(d) for d in self.shape),
                                     jax.dtypes.canonicalize_dtype(self.dtype))
@@ -525,12 +534,14 @@ def check_step_output(name: str, state: Any, new_state: Any, metrics: Any) -> No
 
 
 def as_program(obj: Any, name: str = "") -> Program:
-    """A ModelProgram or TrainProgram as given, or a module / module factory as `ModelProgram(obj)`.
+    """A ModelProgram, TrainProgram or ServingProgram as given, or a module / module factory as `ModelProgram(obj)`.
     A factory is run once (under `nnx.eval_shape`: an NNX module it builds comes back abstract); a
     ModelProgram whose model it built as an NNX module gets that module back abstract too."""
     from flax import nnx
 
-    if isinstance(obj, (ModelProgram, TrainProgram)):
+    from sharding_dump.core.serving import ServingProgram
+
+    if isinstance(obj, (ModelProgram, TrainProgram, ServingProgram)):
         return obj
     if hf_module(obj) is not None:
         return hf_program(hf_module(obj))
@@ -553,13 +564,14 @@ def as_program(obj: Any, name: str = "") -> Program:
         return None
 
     with user_code(f"the model factory {name or _name(obj)}", "no arguments",
-                   "a factory takes no arguments and returns a Flax module, a ModelProgram or a TrainProgram"):
+                   "a factory takes no arguments and returns a Flax module, a ModelProgram, a TrainProgram or a "
+                   "ServingProgram"):
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(build)
     if held:
         return dataclasses.replace(held[0], model=abstract)
     built = other[0] if other else abstract
-    if isinstance(built, (ModelProgram, TrainProgram)):
+    if isinstance(built, (ModelProgram, TrainProgram, ServingProgram)):
         return built
     if hf_module(built) is not None:
         return hf_program(hf_module(built))

@@ -33,7 +33,7 @@ from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, ProgramLayoutWarning, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.pipeline import PipelineConfig
-from sharding_dump.zoo import cards, optimizers, rules, settings, state
+from sharding_dump.zoo import cards, optimizers, rules, serving, settings, state
 from sharding_dump.zoo.batch import BatchPlan, plan_batch
 from sharding_dump.zoo.cards import card_path
 from sharding_dump.zoo.case import Case
@@ -94,6 +94,7 @@ def setup_case(case: Case) -> CaseSetup:
     values = settings.resolve(case.overrides, card_defaults, mesh_defaults)
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
+    serving.check_settings(case, serving.serving_program(case) is not None)
     if case.model_ref.kind == "factory":
         config, pipeline = None, None
         _check_factory_settings(case, values, plan)
@@ -142,7 +143,10 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    if _own_init(setup):  # a user's own init is traced once, on the case's Explicit mesh: the state the dump reads
+    if serving.serving_program(setup.case) is not None:  # traced on the Auto mesh: Explicit refuses uneven splits
+        layouts = list(serving.init_layouts(setup.case.model, setup.plan, setup.rule_set, False,
+                                            serving.settings_of(setup.values, setup.batch.global_batch_size))[1])
+    elif _own_init(setup):  # a user's own init is traced once, on the case's Explicit mesh: the state the dump reads
         layouts = _own_layouts(setup)
     else:
         auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
@@ -264,6 +268,8 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
     rules; explicit mode: read from the state traced on an Explicit-axis mesh)."""
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
+    if serving.serving_program(case) is not None:  # weights, KV cache and decode state, as init placed them
+        return setup, list(serving.traced_of(setup).layouts)
     if setup.explicit and setup.config is not None:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
                                                     setup.optimizer, setup.pipeline)
@@ -354,6 +360,8 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     with fewer_collections():
         setup, layouts = case_layouts(case)
         warn_uneven(setup, layouts)
+        if serving.serving_program(case) is not None:
+            return serving.serving_documents(serving.traced_of(setup), header(setup), setup.plan.abstract_mesh())
         constraints = trace_activations(setup)
         backs, batch = handed_back(setup, layouts), program_batch(setup)
         warn_program_layouts(setup, backs, batch)
@@ -389,6 +397,8 @@ def case_step(setup: CaseSetup) -> Step:
 def batch_fields(case: Case) -> dict[str, Any]:
     """The batch fields of the case's step: the token fields of a card, a program's own (its Input
     per name; None for a card's token fields)."""
+    if serving.serving_program(case) is not None:  # no training batch: each step has inputs of its own
+        return {}
     if case.model_ref.kind == "factory":
         return factory_program(case.model).batch_fields()
     return {name: None for name in BATCH_FIELDS}

@@ -268,3 +268,26 @@ def test_html_report_is_a_standalone_page_with_the_chart(tmp_path, capsys, no_em
     assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "html"]) == 1
     assert capsys.readouterr().out == page  # deterministic
     assert main(["diff", "golden", "golden", "--format", "html", "--max-chars", "5000"]) == 2
+
+
+def test_a_serving_case_shows_cache_bytes_per_device_and_per_request(tmp_path, capsys, fresh):
+    """The serving example with llama3_jax's kv_heads rule removed: the cache is split over x only, so
+    each device holds four times as much of it (and more of the k and v weights); a request's cache is
+    as large as before."""
+    import dataclasses
+
+    from examples import llama3_serving as ls
+    from sharding_dump.golden.engine import check_or_update_folder
+    from sharding_dump.zoo import dump
+    from sharding_dump.zoo.matrix import load_matrix
+
+    (case,) = load_matrix(REPO / "examples/serving_cases.yml")
+    fresh.setattr(ls, "RULES", dataclasses.replace(ls.RULES, kv_heads=None))
+    new = tmp_path / "new"
+    check_or_update_folder(new, dump.render_case(case), update=True)
+    assert main(["diff", str(golden_dir(case, REPO / "golden")), str(new), "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    assert "- memory per device: cache 18.0 KiB -> 72.0 KiB (+54.0 KiB), weights 62.1 KiB -> 74.1 KiB" in out
+    assert "- KV cache: per device 18.0 KiB -> 72.0 KiB (+54.0 KiB), per device per request 2.3 KiB -> 9.0 KiB" in out
+    assert ", per request" not in out  # a request's cache is as large as before: not listed
+    assert '`cache/k/0/quant`' in out and '`["x",null,null,null]`' in out

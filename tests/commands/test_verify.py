@@ -289,3 +289,18 @@ def test_hlo_sizes_count_every_dtype_as_xla_does():
         assert hlo.array_bytes(hlo_type) == compiled.memory_analysis().argument_size_in_bytes, (dtype, hlo_type)
         compiled_dtypes.append(dtype.name)
     assert {"float8_e4m3fn", "float8_e5m2", "int4", "uint4", "float4_e2m1fn", "bool", "bfloat16"} <= set(compiled_dtypes)
+
+
+@pytest.mark.compile
+def test_a_decode_step_compiles_on_an_explicit_mesh():
+    """The serving example's generate step (jax-llm-examples' decode_step, which writes each slot's new
+    keys and values with dynamic_update_slice) on an Explicit mesh: its stand-in state carries the
+    state's own shardings, as the server's arrays do (unsharded stand-ins fail with `ShardingTypeError:
+    dynamic_update_slice operand sharding must be equal to update sharding`), and its compiled cache
+    layout is the golden's."""
+    result = run_cli("verify", "--all", "--cases", str(REPO / "examples/serving_cases.yml"),
+                     "--golden-dir", str(REPO / "golden"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("examples.llama3_serving:small_llama3/cpu-8/")
+    assert ": ok (cpu, 8 devices" in result.stdout
+    assert "memory per device (XLA:CPU estimate" in result.stdout

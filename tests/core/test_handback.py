@@ -80,7 +80,7 @@ def test_a_mesh_of_the_programs_own_is_refused_naming_both():
 def fsdp_specs(strategy) -> dict[str, tuple]:
     """Every leaf's spec computed from the program's own strategy on the case's mesh."""
     from examples import fsdp_trainer as ft
-    from sharding_dump.core.layout import path_text
+    from sharding_dump.core.tree import path_text
 
     mesh = dump.setup_case(program_case(FSDP)).plan.abstract_mesh()
     model = ft.MLPLM()
@@ -177,7 +177,7 @@ EQX_RUN = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from examples import eqx_lm
     from helpers import forget_programs
-    from sharding_dump.core.layout import path_text
+    from sharding_dump.core.tree import path_text
     from sharding_dump.errors import BadInput
     from sharding_dump.golden import codec
     from sharding_dump.golden.engine import check_or_update_folder

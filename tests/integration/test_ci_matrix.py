@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from helpers import REPO
-from sharding_dump.zoo.matrix import load_matrix
+from sharding_dump.zoo.matrix import load_matrix, load_project_cases
+from sharding_dump.zoo.project import load_project
 
 WORKFLOW = REPO / "examples/ci/sharding-dump-matrix.yml"
 
@@ -47,8 +48,10 @@ def test_three_groups_run_each_case_exactly_once(pytester: pytest.Pytester, monk
         assert result.ret == pytest.ExitCode.OK, result.stdout.str()
         return [line for line in result.stdout.lines if "::" in line]
 
-    # every case of the matrix (their labels are unique), plus the stale check: the plugin's test ids
-    everything = [f"pyproject.toml::{case.label}" for case in load_matrix()] + ["pyproject.toml::no stale goldens"]
+    # every case of the repository's case files (their labels are unique), plus the stale check: the
+    # plugin's test ids
+    everything = [f"pyproject.toml::{case.label}" for case in load_project_cases(load_project(REPO))] + [
+        "pyproject.toml::no stale goldens"]
     job = matrix_job()
     groups = [collected(*group_args(job, group)) for group in job["strategy"]["matrix"]["group"]]
     assert all(groups)

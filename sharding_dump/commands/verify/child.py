@@ -89,6 +89,21 @@ def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: 
     return sorted(out, key=lambda item: item[0])
 
 
+def _stand_ins(parts: Any, state_shardings: Any, batch_shardings: Any) -> tuple[Any, Any]:
+    """The abstract state and batch the step is lowered with: on a mesh whose axes are Explicit each
+    carries its sharding in its type, as the arrays a server or trainer passes do (the step's own
+    sharding-in-types checks, e.g. a dynamic_update_slice of a cache, see the layouts it runs on)."""
+    import jax
+
+    if not parts.explicit:
+        return parts.state, parts.batch
+
+    def typed(x: Any, sharding: Any) -> Any:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(typed, parts.state, state_shardings), jax.tree.map(typed, parts.batch, batch_shardings)
+
+
 def run(request: dict[str, Any]) -> dict[str, Any]:
     """Compiles the requested case's step; the answer the parent reads."""
     import flax.linen as nn
@@ -114,7 +129,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         with jax.set_mesh(mesh), legacy_mesh(mesh), nn.logical_axis_rules(parts.logical_axis_rules):
             jitted = jax.jit(parts.step, in_shardings=(state_shardings, batch_shardings),  # metrics replicated
                              out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
-            lowered = jitted.lower(parts.state, parts.batch)
+            lowered = jitted.lower(*_stand_ins(parts, state_shardings, batch_shardings))
             Path(request["work"], COMPILING).touch()  # the parent bounds the compile from now
             try:
                 compiled = lowered.compile(compiler_options=options)

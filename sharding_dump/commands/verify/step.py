@@ -32,18 +32,45 @@ def build_step(case: Any) -> StepParts:
     import jax
 
     from sharding_dump.core.tree import unbox
-    from sharding_dump.zoo import dump
+    from sharding_dump.zoo import dump, serving
 
     def untyped(tree: Any) -> Any:  # the compile's in_shardings place them, on the concrete mesh
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
     setup, layouts = dump.case_layouts(case)
+    if serving.serving_program(case) is not None:
+        return _serving_step(setup, layouts)
     abstract = untyped(unbox(dump.abstract_state_of(setup)))
     stacks = stack_dims(layouts, stack_axes())
     return StepParts(dump.case_step(setup), abstract, untyped(dump.case_batch(setup)),
                      {t.path: t.partition_spec for t in layouts}, setup.batch.pipeline_spec,
                      setup.plan.axis_names, setup.plan.ici, setup.plan.dcn, setup.rule_set.logical_axis_rules,
                      stacks, bool(setup.values["allow_split_physical_axes"]), setup.step_explicit)
+
+
+def _serving_step(setup: Any, layouts: Any) -> StepParts:
+    """A serving case's last step (generate: the one a server runs most), on the state init builds at
+    the case's slots and lengths, its inputs handed in replicated (as the dump traces them)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from sharding_dump.core.tree import unbox
+    from sharding_dump.errors import BadInput
+    from sharding_dump.zoo import serving
+
+    program = serving.serving_program(setup.case)
+    settings = serving.settings_of(setup.values, setup.batch.global_batch_size)
+    name, step = list(program.steps.items())[-1]
+    if step.takes is not None:
+        raise BadInput(f"verify compiles a serving case's last step, {name!r}, and it takes the outputs of "
+                       f"{step.takes!r}: give the program a last step that takes the state and its own inputs")
+    raw = serving.init_layouts(setup.case.model, setup.plan, setup.rule_set, setup.explicit, settings)[0]
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), unbox(raw))
+    inputs = {field: spec.sized(settings.sizes()) for field, spec in step.inputs.items()}
+    return StepParts(lambda s, i: step.fn(s, i, settings), state, inputs, {t.path: t.partition_spec for t in layouts},
+                     PartitionSpec(), setup.plan.axis_names, setup.plan.ici, setup.plan.dcn,
+                     setup.rule_set.logical_axis_rules, frozenset(), bool(setup.values["allow_split_physical_axes"]),
+                     setup.explicit)
 
 
 def leaf_path(key_path: Sequence[Any]) -> str:
