@@ -154,9 +154,9 @@ def program_case(spec: tuple) -> Case:
 
 def forget_programs() -> None:
     """Forget every program built in this process: the next dump builds the edited one."""
-    from sharding_dump.zoo import dump, serving
+    from sharding_dump.zoo import dump, model_ref, serving
 
-    for cached in (dump.factory_program, dump.program_model, dump._factory_state, dump._recorded,
+    for cached in (model_ref.factory_program, dump.program_model, dump._factory_state, dump._recorded,
                    serving.init_layouts, serving.trace_case):
         cached.cache_clear()
 

@@ -506,13 +506,13 @@ def fixture_api() -> str:
 
 def _serving_memory() -> str:
     """`check`'s memory finding of jax-llm-examples' Llama 3.1 70B served at 64 slots x 8192 on v5e-8."""
-    from sharding_dump.commands import check, check_serving
+    from sharding_dump.commands import check
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.dump import setup_case
 
     model, topology, rule, overrides = SERVING_CASE
     case = Case.make(model, topology, rule, overrides=overrides)
-    return check.render_findings(case, check_serving.check_memory(setup_case(case)))
+    return check.render_findings(case, check.check_serving_memory(setup_case(case)))
 
 
 def _card_refusal(work: Path) -> str:

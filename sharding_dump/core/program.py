@@ -477,6 +477,130 @@ class TrainProgram:
         return step
 
 
+CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # auto: the program's own choice
+_STEP_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSettings:
+    """What the server is sized for: `slots` requests decoded at once, prompts of up to
+    `max_prefill_length` tokens, `max_length` tokens per request in the cache (prompt and generated),
+    `page_size` tokens per cache page (0: one contiguous cache per slot) and the cache's dtype
+    (`auto`: the program's own)."""
+
+    slots: int
+    max_prefill_length: int
+    max_length: int
+    page_size: int = 0
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "max_prefill_length", "max_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ProgramError(f"ServingSettings({name}={shown(value)}): give a whole number >= 1")
+        if self.max_prefill_length > self.max_length:
+            raise ProgramError(f"ServingSettings(max_prefill_length={self.max_prefill_length}): longer than the cache "
+                               f"(max_length={self.max_length}); a prompt must fit the cache")
+        if not isinstance(self.page_size, int) or self.page_size < 0 or self.page_size and \
+                self.max_length % self.page_size:
+            raise ProgramError(f"ServingSettings(page_size={shown(self.page_size)}): give 0 (no pages) or a whole "
+                               f"number that divides max_length={self.max_length}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ProgramError(f"ServingSettings(cache_dtype={shown(self.cache_dtype)}): give one of "
+                               f"{', '.join(CACHE_DTYPES)}")
+
+    def sizes(self) -> dict[str, int]:
+        """The symbolic sizes an Input's shape may name."""
+        return {"slots": self.slots, "prefill_length": self.max_prefill_length, "max_length": self.max_length}
+
+    def header(self) -> dict[str, Any]:
+        """As recorded at the top of the serving goldens."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingStep:
+    """One step of the server: `fn(state, inputs, settings) -> (new state, outputs)`.
+
+    `inputs`: field name -> :class:`Input` (shapes in ints or `slots`, `prefill_length`,
+    `max_length`); `requests`: how many requests one call serves (an int, or one of those sizes),
+    which sets the bytes per request of what it hands on; `takes`: the name of an earlier step whose
+    outputs this one receives under `inputs[takes]` (an insert takes the prefill's), as they came out."""
+
+    fn: Callable[[Any, dict[str, Any]], tuple[Any, Any]]
+    inputs: Mapping[str, Input] = dataclasses.field(default_factory=dict)
+    requests: int | str = "slots"
+    takes: str | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ProgramError(f"ServingStep(fn={describe(self.fn)}): give a function fn(state, inputs, settings) -> "
+                               "(new state, outputs)")
+        if not isinstance(self.inputs, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Input) for k, v in self.inputs.items()):
+            raise ProgramError(f"ServingStep(inputs={describe(self.inputs)}): give a mapping, field name -> "
+                               "Input(shape, dtype, logical_axes)")
+        for name, field in self.inputs.items():
+            for dim in field.shape:
+                if isinstance(dim, str) and dim not in SERVING_SIZES:
+                    raise ProgramError(f"ServingStep(inputs=...): field {name!r} shape entry {dim!r}: a serving "
+                                       f"input's sizes are ints or one of {', '.join(SERVING_SIZES)}")
+        requests = self.requests
+        if not (isinstance(requests, str) and requests in SERVING_SIZES
+                or isinstance(requests, int) and not isinstance(requests, bool) and requests >= 1):
+            raise ProgramError(f"ServingStep(requests={shown(requests)}): give a whole number >= 1 or one of "
+                               f"{', '.join(SERVING_SIZES)}")
+        if self.takes is not None and not isinstance(self.takes, str):
+            raise ProgramError(f"ServingStep(takes={shown(self.takes)}): give None or the name of an earlier step")
+
+    def request_count(self, settings: ServingSettings) -> int:
+        return settings.sizes()[self.requests] if isinstance(self.requests, str) else int(self.requests)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingProgram:
+    """The user's server: `init(key, settings) -> state` (weights, KV cache, decode state, placed as
+    the program places them) and `steps`, name -> :class:`ServingStep` (or a bare function with no
+    inputs), in the order a request meets them (prefill, insert, generate; or one mixed step).
+    `cache`: the top-level keys of the state that hold the KV cache (counted as cache in the goldens
+    and in `check`)."""
+
+    init: Callable[[jax.Array, ServingSettings], Any]
+    steps: Mapping[str, ServingStep]
+    cache: tuple[str, ...] = ("cache",)
+
+    def __post_init__(self) -> None:
+        if not callable(self.init):
+            raise ProgramError(f"ServingProgram(init={describe(self.init)}): give a function init(key, settings) "
+                               "-> state")
+        if not isinstance(self.steps, Mapping) or not self.steps:
+            raise ProgramError(f"ServingProgram(steps={describe(self.steps)}): give a non-empty mapping, step name "
+                               "-> ServingStep(fn, inputs), e.g. {'prefill': ..., 'generate': ...}")
+        steps: dict[str, ServingStep] = {}
+        for name, step in self.steps.items():
+            if not isinstance(name, str) or not _STEP_NAME.fullmatch(name):
+                raise ProgramError(f"ServingProgram(steps=...): step name {shown(name)}: give letters, digits, "
+                                   "'_' or '-'")
+            if callable(step) and not isinstance(step, ServingStep):
+                step = ServingStep(step)
+            if not isinstance(step, ServingStep):
+                raise ProgramError(f"ServingProgram(steps=...): step {name!r} is {describe(step)}; give a "
+                                   "ServingStep(fn, inputs)")
+            if step.takes is not None and step.takes not in steps:
+                raise ProgramError(f"ServingProgram(steps=...): step {name!r} takes the outputs of "
+                                   f"{step.takes!r}, which is not an earlier step ({', '.join(steps) or 'none'})")
+            steps[name] = step
+        object.__setattr__(self, "steps", steps)
+        cache = (self.cache,) if isinstance(self.cache, str) else self.cache
+        if not isinstance(cache, tuple) or not all(isinstance(c, str) and c for c in cache):
+            raise ProgramError(f"ServingProgram(cache={describe(self.cache)}): give the top-level state keys that "
+                               "hold the KV cache, e.g. ('cache',)")
+        object.__setattr__(self, "cache", cache)
+
+
+# --- tracing ------------------------------------------------------------------------------------------
+
 Program = ModelProgram | TrainProgram
 
 # --- Hugging Face Flax models -----------------------------------------------------------------------------
@@ -538,8 +662,6 @@ def as_program(obj: Any, name: str = "") -> Program:
     A factory is run once (under `nnx.eval_shape`: an NNX module it builds comes back abstract); a
     ModelProgram whose model it built as an NNX module gets that module back abstract too."""
     from flax import nnx
-
-    from sharding_dump.core.serving import ServingProgram
 
     if isinstance(obj, (ModelProgram, TrainProgram, ServingProgram)):
         return obj

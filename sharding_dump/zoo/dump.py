@@ -38,7 +38,7 @@ from sharding_dump.zoo.batch import BatchPlan, plan_batch
 from sharding_dump.zoo.cards import card_path
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
-from sharding_dump.zoo.model_ref import load_factory
+from sharding_dump.zoo.model_ref import factory_program
 from sharding_dump.zoo.pipeline_plan import check_batch, pipeline_rules, plan_pipeline, stage_before_data
 from sharding_dump.zoo.topology import Topology, load_topology
 
@@ -170,13 +170,6 @@ CASES_PER_PROCESS = 256
 def _abstract_state(config: models.ModelConfig, tx: Any, pipeline: PipelineConfig | None) -> dict[str, Any]:
     # Shapes only depend on the config, optimizer and pipeline; cases of one model share the traced init.
     return state.abstract_state(config, tx, pipeline)
-
-
-@functools.lru_cache(maxsize=16)
-def factory_program(ref: str) -> Program:
-    """The user's training program behind a factory reference (a module or module factory is the
-    simplest one), built once per process (abstractly)."""
-    return as_program(load_factory(ref), ref)
 
 
 @functools.lru_cache(maxsize=16)

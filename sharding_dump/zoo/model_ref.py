@@ -25,15 +25,19 @@ line can leave the golden tree. The working directory is importable, as for `pyt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sharding_dump.core.boundary import guard
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.zoo.cards import card_files, resolve_model
 from sharding_dump.zoo.settings import MAX_REF, REFERENCE
+
+if TYPE_CHECKING:
+    from sharding_dump.core.program import Program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +122,12 @@ def load_reference(text: str, what: str = "model") -> Callable[..., Any]:
 def load_factory(text: str) -> Callable[[], Any]:
     """The callable a factory reference names; BadInput (one line) when it cannot be imported."""
     return load_reference(text, "model")
+
+
+@functools.lru_cache(maxsize=16)
+def factory_program(ref: str) -> Program:
+    """The user's program behind a factory reference (a module or module factory is the simplest one),
+    built once per process (abstractly)."""
+    from sharding_dump.core.program import as_program
+
+    return as_program(load_factory(ref), ref)

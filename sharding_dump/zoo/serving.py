@@ -25,7 +25,8 @@ from sharding_dump.core.format import SERVING_FILE, document
 from sharding_dump.core.handback import HandBack, hand_backs
 from sharding_dump.core.layout import TensorLayout, per_device_totals
 from sharding_dump.core.program import Input, ProgramError
-from sharding_dump.core.serving import ServingProgram, ServingSettings, StepTrace, init_state, trace_steps
+from sharding_dump.core.program import ServingProgram, ServingSettings
+from sharding_dump.core.serving import StepTrace, init_state, trace_steps
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import rules, state
 from sharding_dump.zoo.case import Case
@@ -38,7 +39,7 @@ def serving_program(case: Case) -> ServingProgram | None:
     """The case's ServingProgram, or None for any other model."""
     if case.model_ref.kind != "factory":
         return None
-    from sharding_dump.zoo.dump import factory_program
+    from sharding_dump.zoo.model_ref import factory_program
 
     program = factory_program(case.model)
     return program if isinstance(program, ServingProgram) else None
@@ -129,7 +130,7 @@ def trace_case(ref: str, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool
 
 
 def _program(ref: str) -> ServingProgram:
-    from sharding_dump.zoo.dump import factory_program
+    from sharding_dump.zoo.model_ref import factory_program
 
     program = factory_program(ref)
     assert isinstance(program, ServingProgram)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import REPO, cache_resharded
-from sharding_dump.commands import check, check_serving
+from sharding_dump.commands import check
 from sharding_dump.zoo import dump, serving
 from sharding_dump.zoo.case import Case, load_matrix
 
@@ -26,11 +26,11 @@ def seventy_b(slots_per_device: int) -> Case:
 def test_a_70b_cache_that_does_not_fit_names_the_largest_slot_count_that_fits(fresh):
     """64 slots: 10.2 GiB of weights + 10.2 GiB of cache on a 16 GiB v5e; 36 slots fit (each slot holds
     8192 tokens x 8 kv heads x 128 x 80 layers x k and v in int8, 1 kv head per device: 162.5 MiB)."""
-    (finding,) = check_serving.check_memory(dump.setup_case(seventy_b(8)))
+    (finding,) = check.check_serving_memory(dump.setup_case(seventy_b(8)))
     assert finding.lint == "memory" and "127%" in finding.message
     assert "the largest slot count that fits at 8192 tokens is 36 (per_device_batch_size=4.5" in finding.message
     assert finding.details == ("at 64 slots the longest cache that fits is 4694 tokens",)
-    assert check_serving.check_memory(dump.setup_case(seventy_b(4))) == []  # 32 slots fit
+    assert check.check_serving_memory(dump.setup_case(seventy_b(4))) == []  # 32 slots fit
 
 
 def example_case() -> Case:

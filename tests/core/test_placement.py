@@ -27,7 +27,7 @@ from sharding_dump.core import documents
 from sharding_dump.core.layout import resolve
 from sharding_dump.core.placement import declared_specs
 from sharding_dump.golden import codec
-from sharding_dump.zoo import dump
+from sharding_dump.zoo import dump, model_ref
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.rules import load_rule
 
@@ -135,7 +135,7 @@ def test_check_says_where_a_listed_weight_was_placed(fresh):
 def test_auto_mesh_reads_the_declared_out_shardings(fresh):
     """On an Auto mesh the types carry no sharding, yet the weights are placed as init's jit declares."""
     spec = PURE_JAX[:3] + ({**PURE_JAX[3], "shard_mode": "auto"},)
-    program = dump.factory_program(spec[0])
+    program = model_ref.factory_program(spec[0])
     plan = dump.setup_case(program_case(spec)).plan
     with jax.sharding.use_abstract_mesh(plan.abstract_mesh()):
         state, declared = program.placed_state(sd.core.state.abstract_key())
@@ -283,7 +283,7 @@ def test_hf_flax_llama_as_users_hold_it(fresh):
     assert len(params) == 21
     assert all(t.source == "regex" for t in params)
     assert layouts["params/model/layers/0/mlp/up_proj/kernel"].partition_spec == P("fsdp", "tensor")
-    program = dump.factory_program(HF[0])
+    program = model_ref.factory_program(HF[0])
     assert program.kwargs == {"deterministic": False} and program.positions == "position_ids"
     assert set(program.inputs) == {"attention_mask"}
     closed, _ = dump.trace_case(dump.setup_case(program_case(HF)))
