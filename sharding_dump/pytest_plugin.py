@@ -210,8 +210,9 @@ class GoldenChecker:
             outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree: one line, like the CLI
             pytest.fail(f"sharding-dump: error: {case.label}: {one_line(str(err))}", pytrace=False)
-        if not outcome.ok:
-            pytest.fail(outcome.report, pytrace=False)
+        if not outcome.ok:  # -vv: every changed tensor, else a report of at most MAX_REPORT_LINES lines
+            verbose = self.item is not None and self.item.config.get_verbosity() >= 2
+            pytest.fail(outcome.full_report if verbose and outcome.full_report else outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
             from sharding_dump.commands.verify.render import render_case
             from sharding_dump.commands.verify.run import verify_case

@@ -317,17 +317,20 @@ def _mutated(work: Path, mutation: tuple[str, str, str]) -> Path:
 
 
 def _cut(text: str, rows: int) -> str:
-    """The report's head, up to `rows` tensor entries, then `...` (the docs show the start of it)."""
-    out, seen = [], 0
+    """The report's head, up to `rows` blocks of tensors (names, then the fields they changed), then
+    `...` (the docs show the start of it)."""
+    out, seen, cut = [], 0, False
     for line in text.splitlines():
-        if line.startswith("  params/") or line.startswith("  forward/") or line.startswith("  opt_state/"):
-            seen += 1
-            if seen > rows:
-                out.append("  ...")
-                break
+        field = line.startswith("      ")
+        if field:
+            seen += 1 if not out[-1].startswith("      ") else 0
+        elif seen >= rows and line.startswith("  ") and out and out[-1].startswith("      "):
+            out.append("  ...")
+            cut = True
+            break
         out.append(line)
     tail = [line for line in text.splitlines() if line.startswith(("If the change", "    sharding-dump", "(or pytest"))]
-    return "\n".join(out + (tail if seen > rows else []))
+    return "\n".join(out + (tail if cut else []))
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -400,7 +403,7 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         blocks["card-refusal"] = _card_refusal(work)
         act = Case.make(model, topology, str(_mutated(work, ACTIVATION_MUTATION).relative_to(work)))
         act_report = check_or_update(act, "golden", update=False).report
-        blocks["activation-report"] = _cut(act_report[act_report.index("activation_shardings.json"):], 1)
+        blocks["activation-report"] = _cut(act_report, 1)
     args, tensor = SHOW_TENSOR
     parser = options.Parser()
     show.add_arguments(parser)

@@ -64,7 +64,9 @@ def test_memory_chart_only_when_memory_moved():
     assert memory_chart({"params": (10, 10), "total": (10, 10)}) is None
     assert memory_chart({"params": (None, 10)}) is None
     chart = memory_chart({"params": (3 * 2**20, 2**20), "step": (4, 4), "total": (3 * 2**20 + 4, 2**20 + 4)})
-    assert '    y-axis "MiB per device"' in chart and "    bar [3.00, 1.00]" in chart and "step" not in chart
+    assert '    y-axis "MiB per device, from 0" 0 --> 3.00' in chart and "step" not in chart  # 4 bytes: not drawn
+    assert "    bar [3.00, 0]\n    bar [0, 1.00]" in chart  # before grey, after blue
+    assert '    x-axis ["params before 3.0 MiB", "params after 1.0 MiB"]' in chart
 
 
 def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):
