@@ -81,7 +81,7 @@ def test_mermaid_draws_every_bar_from_zero_in_two_colours(reports, tmp_path):
     bars = {}
     for series, colour in ((0, pictures.BEFORE), (1, pictures.AFTER)):
         group = re.search(rf'<g class="bar-plot-{series}">(.*?)</g>', svg).group(1)
-        rects = re.findall(r'<rect x="([0-9.]+)" y="[0-9.]+" width="([0-9.]+)" height="[0-9.]+" fill="([^"]+)"', group)
+        rects = re.findall(r'<rect x="(-?[0-9.]+)" y="[0-9.]+" width="(-?[0-9.]+)" height="[0-9.]+" fill="([^"]+)"', group)
         assert {fill for _, _, fill in rects} == {colour}
         bars[series] = [(float(x), float(w)) for x, w, _ in rects]
     values = [v for pair in report.memory.values() for v in pair][:len(names)]
