@@ -270,6 +270,18 @@ class _Tally:
                 kind, count = value
                 self.counts[kind] += count
 
+    def pytest_report_collectionfinish(self, config: pytest.Config, items: list[pytest.Item]) -> str | None:
+        """Under --sharding-update, what the run will work on before it starts (pytest's progress
+        then counts the cases done; -v names each case as it is dumped)."""
+        cases = sum(1 for item in items if isinstance(item, CaseItem))
+        if not config.getoption("--sharding-update") or not cases:
+            return None
+        from sharding_dump.golden.engine import display
+
+        how = "" if config.get_verbosity() > 0 else " (-v names each case as it is dumped)"
+        return f"sharding-dump: updating the goldens of {cases} case{'s' * (cases != 1)} in " \
+               f"{display(project_of(config).golden_dir)}{how}"
+
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if config.getoption("--sharding-update") and sum(self.counts.values()):
             from sharding_dump.golden.engine import summary_line

@@ -27,13 +27,13 @@ import argparse
 import dataclasses
 import functools
 import math
-import time
 from typing import Any, Iterable
 
 import jax.numpy as jnp
 
 from sharding_dump import models
 from sharding_dump.commands import options
+from sharding_dump.commands.progress import Progress
 from sharding_dump.core import specs
 from sharding_dump.core.layout import TensorLayout, indivisible, leaves, per_device_totals
 from sharding_dump.core.state import parameter_count
@@ -410,14 +410,15 @@ def run(args: argparse.Namespace) -> int:
     cases = options.cases_of(args, "checks", options.project_of(args))
     lint_settings()  # a broken data/lint.yml is bad input before any output
     found = 0
-    for index, case in enumerate(cases, 1):
-        start = time.perf_counter()
-        findings = lint_case(case, tolerance)
-        found += len(findings)
-        head, _, rest = render_findings(case, findings).partition("\n")
-        options.progress(index, len(cases), head, start)
-        if rest:
-            print(rest, flush=True)
+    with Progress(len(cases), "checking") as progress:
+        for case in cases:
+            progress.start(case.label)
+            findings = lint_case(case, tolerance)
+            found += len(findings)
+            head, _, rest = render_findings(case, findings).partition("\n")
+            progress.finish(head)
+            if rest:
+                print(rest, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases checked, {found} finding{'' if found == 1 else 's'}")
     return 1 if found else 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sharding_dump.commands import options
+from sharding_dump.commands.progress import Progress
 from sharding_dump.errors import one_line
 
 if TYPE_CHECKING:
@@ -41,15 +42,16 @@ def run(args: argparse.Namespace) -> int:
     cases = options.cases_of(args, "dumps", project)
     total = time.perf_counter()
     tally: collections.Counter[str] = collections.Counter()
-    for index, case in enumerate(cases, 1):
-        start = time.perf_counter()
-        outcome, kind = goldens.update(case, project.golden_dir)
-        tally[kind] += 1
-        what = "; ".join([f"wrote {', '.join(outcome.files)}"] * bool(outcome.files) +
-                         [f"removed {', '.join(outcome.removed)}"] * bool(outcome.removed)) or "unchanged"
-        options.progress(index, len(cases), f"{display(outcome.folder)}/: {what}", start)
-        for warning in _use_warnings(case, outcome.folder):
-            print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
+    with Progress(len(cases), "dumping") as progress:
+        for case in cases:
+            progress.start(case.label)
+            outcome, kind = goldens.update(case, project.golden_dir)
+            tally[kind] += 1
+            what = "; ".join([f"wrote {', '.join(outcome.files)}"] * bool(outcome.files) +
+                             [f"removed {', '.join(outcome.removed)}"] * bool(outcome.removed)) or "unchanged"
+            progress.finish(f"{display(outcome.folder)}/: {what}")
+            for warning in _use_warnings(case, outcome.folder):
+                print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
         print(summary_line(tally))

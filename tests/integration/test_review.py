@@ -55,7 +55,9 @@ def activations_blown(mini_project, monkeypatch):
     project = mini_project({"rules/mine.yml": DEFAULT_RULE, "cases.yml": "cases:\n  - {model: qwen3-0.6b, topology: cpu-8, rule: rules/mine.yml}\n"},
                            table='golden-dir = "goldens"\ncases = ["cases.yml"]')
     monkeypatch.chdir(project.path)
-    run(project, "--sharding-update").assert_outcomes(passed=2)
+    update = run(project, "--sharding-update")
+    update.assert_outcomes(passed=2)  # what it works on, said before it starts
+    assert "sharding-dump: updating the goldens of 1 case in goldens (-v names each case as it is dumped)" in update.stdout.lines
     shutil.copytree(project.path / "goldens", project.path / "main-goldens")  # what main holds
     (project.path / "rules/mine.yml").write_text(DEFAULT_RULE.replace(BATCH_LINE, "  - [activation_batch, []]\n"))
     return project
