@@ -9,7 +9,6 @@ SHARDING_DUMP_MERMAID to its `mermaid.min.js`, or install it where .ci/run does
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,9 +20,8 @@ from helpers import REPO
 from sharding_dump.commands import diff, pictures
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
+from tools.mkdocs_mermaid import MERMAID  # the bundle the docs site serves
 
-MERMAID = Path(os.environ.get("SHARDING_DUMP_MERMAID") or
-               Path.home() / ".cache/sharding-dump/mermaid/node_modules/mermaid/dist/mermaid.min.js")
 CASE = "llama2-7b/v5p-16/slice_1/rule_default"
 BATCH_LINE = "  - [activation_batch, [data, fsdp, fsdp_transpose, expert]]\n"
 WIDTH = 1400
