@@ -16,6 +16,7 @@ import dataclasses
 import html
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -200,6 +201,11 @@ def _memory_cell(old: int | None, new: int | None) -> str:
     return f"{sizes.format_bytes(old)} -> {sizes.format_bytes(new)} ({sizes.format_percent(old, new)})"
 
 
+def _part(part: str, fmt: str) -> str:
+    """A part's name in a table: a name of the user's own state (any text) as code in markdown."""
+    return part if fmt != "markdown" or re.fullmatch(r"[\w.-]+", part) else tables.code(part)
+
+
 def _summary_parts(reports: list[CaseReport]) -> list[str]:
     """The parts the summary table has a column for: params, opt_state and activations, and any other
     part that moved in a differing case."""
@@ -234,7 +240,7 @@ def _lines(report: CaseReport, full: bool) -> list[Line]:
 def _row_cells(line: Line, fmt: str, mesh_sizes: dict[str, int] | None) -> list[str]:
     row = line.row
     wrap = tables.code if fmt == "markdown" else str
-    notes = ([f"{line.members} tensors"] if line.members > 1 else []) + ([f"and {', '.join(row.slots)}"] if row.slots else [])
+    notes = [f"{line.members} tensors"] * (line.members > 1) + [f"and {', '.join(row.slots)}"] * bool(row.slots)
     name = wrap(line.name) + (f" ({', '.join(notes)})" if notes else "")
     other = "; ".join(f"{key} {diff.compact(old)} -> {diff.compact(new)}" for key, (old, new) in sorted(row.other.items()))
     if row.status != "changed":
@@ -242,14 +248,16 @@ def _row_cells(line: Line, fmt: str, mesh_sizes: dict[str, int] | None) -> list[
     old_spec, new_spec = _spec(row.old_spec, mesh_sizes), _spec(row.new_spec, mesh_sizes)
     if old_spec == new_spec and row.old_spec != row.new_spec:  # the change is in a size-1 axis: show it
         old_spec, new_spec = _spec(row.old_spec, None), _spec(row.new_spec, None)
-    return [name, wrap(old_spec), wrap(new_spec), sizes.format_bytes(row.old_bytes), sizes.format_bytes(row.new_bytes), other]
+    return [name, wrap(old_spec), wrap(new_spec), sizes.format_bytes(row.old_bytes), sizes.format_bytes(row.new_bytes),
+            other]
 
 
 TENSOR_HEADERS = ["tensor", "old spec", "new spec", "old bytes/device", "new bytes/device", "also changed"]
 MEMORY_HEADERS = ["memory per device", "before", "after", "change"]
 
 
-def _tensor_table(report: CaseReport, fmt: str, max_rows: int | None, full: bool) -> tuple[list[str], list[list[str]], int]:
+def _tensor_table(report: CaseReport, fmt: str, max_rows: int | None,
+                  full: bool) -> tuple[list[str], list[list[str]], int]:
     """Headers, cells and how many tensors were left out (beyond `max_rows` lines)."""
     lines = _lines(report, full)
     shown = lines if max_rows is None else lines[:max_rows]
@@ -258,6 +266,13 @@ def _tensor_table(report: CaseReport, fmt: str, max_rows: int | None, full: bool
     if not any(c[-1] for c in cells):
         headers, cells = headers[:-1], [c[:-1] for c in cells]
     return headers, cells, sum(line.members for line in lines[len(shown):])
+
+
+def _notes(report: CaseReport) -> list[str]:
+    """Header fields that changed and golden files on one side only, one line each."""
+    header = sorted(report.header.items())
+    return ([f"header {key}: {diff.compact(old)} -> {diff.compact(new)}" for key, (old, new) in header]
+            + [f"{name} only in {side.upper()}" for name, side in sorted(report.files_only.items())])
 
 
 def _case_block(report: CaseReport, fmt: str, max_rows: int | None = MAX_ROWS, full: bool = False) -> Iterator[str]:
@@ -271,13 +286,13 @@ def _case_block(report: CaseReport, fmt: str, max_rows: int | None = MAX_ROWS, f
     yield bullet + _counts_line(report)
     if report.memory:  # memory per device first, every part, before and after
         yield ""
-        yield tables.render(MEMORY_HEADERS, memory.rows(report.memory), fmt, right=(1, 2, 3))
+        rows = [[_part(row[0], fmt), *row[1:]] for row in memory.rows(report.memory)]
+        yield tables.render(MEMORY_HEADERS, rows, fmt, right=(1, 2, 3))
     chart = pictures.memory_chart(report.memory) if fmt == "markdown" else None
     if chart:
         yield ""
         yield chart
-    extra = [f"header {key}: {diff.compact(old)} -> {diff.compact(new)}" for key, (old, new) in sorted(report.header.items())]
-    extra += [f"{name} only in {side.upper()}" for name, side in sorted(report.files_only.items())]
+    extra = _notes(report)
     if extra:
         yield ""
         yield from (bullet + line for line in extra)
@@ -303,8 +318,8 @@ def _summary(reports: list[CaseReport], fmt: str) -> Iterator[str]:
                           *(_memory_cell(*r.memory.get(p, (None, None))) for p in parts),
                           str(c["changed"]), str(c["added"]), str(c["removed"])])
         yield ""
-        yield tables.render(["case", "status", *(f"{p}/device" for p in parts), "changed", "added", "removed"],
-                            cells, fmt, right=tuple(range(2, len(parts) + 5)))
+        headers = ["case", "status", *(f"{_part(p, fmt)}/device" for p in parts), "changed", "added", "removed"]
+        yield tables.render(headers, cells, fmt, right=tuple(range(2, len(parts) + 5)))
 
 
 def render_text(reports: list[CaseReport], fmt: str = "text", max_chars: int | None = None, full: bool = False) -> str:
@@ -428,13 +443,15 @@ def render_html(reports: list[CaseReport], full: bool = False) -> str:
             rows.append(_td(r.label, code=True) + _td(r.status)
                         + "".join(_td(_memory_cell(o, n), f"n {_moved(o, n)}".strip()) for o, n in mem)
                         + "".join(_td(str(r.counts[k]), "n") for k in ("changed", "added", "removed")))
-        parts.append(_html_table(["case", "status", *(f"{p}/device" for p in columns), "changed", "added", "removed"], rows))
+        headers = ["case", "status", *(f"{p}/device" for p in columns), "changed", "added", "removed"]
+        parts.append(_html_table(headers, rows))
     for i, r in enumerate(differ):
         head = _counts_line(r) if r.status == "changed" else "case " + r.status
         parts.append(f"<details{' open' * (i == 0)}><summary><code>{html.escape(r.label)}</code>: "
                      f"{html.escape(head)}</summary>")
         if r.status in ("added", "removed"):
-            parts.append(f"<p>case {r.status} ({html.escape(display(r.new if r.status == 'added' else r.old))})</p></details>")
+            where = display(r.new if r.status == "added" else r.old)
+            parts.append(f"<p>case {r.status} ({html.escape(where)})</p></details>")
             continue
         if r.memory:
             parts.append(_html_table(MEMORY_HEADERS, [
@@ -443,9 +460,7 @@ def render_html(reports: list[CaseReport], full: bool = False) -> str:
         svg = pictures.memory_svg(r.memory)
         if svg:
             parts.append(f"<p>{svg}</p>")
-        extra = [f"header {key}: {diff.compact(old)} -> {diff.compact(new)}" for key, (old, new) in sorted(r.header.items())]
-        extra += [f"{name} only in {side.upper()}" for name, side in sorted(r.files_only.items())]
-        parts += [f"<p>{html.escape(line)}</p>" for line in extra]
+        parts += [f"<p>{html.escape(line)}</p>" for line in _notes(r)]
         if r.rows:
             headers, cells, _ = _tensor_table(r, "text", None, full)
             rows = []

@@ -36,6 +36,7 @@ xychart-beta horizontal
 
 from __future__ import annotations
 
+import html
 import math
 from typing import Mapping, Sequence
 
@@ -143,6 +144,11 @@ def _chart_groups(memory: Mapping[str, tuple[int | None, int | None]]) -> dict[s
     return {g: pair for g, pair in values.items() if max(pair) >= largest / 200}  # type: ignore[misc]
 
 
+def _label(part: str) -> str:
+    """A part's name inside a mermaid label: no quote or line break to end it."""
+    return " ".join(part.replace('"', "'").split())
+
+
 def memory_svg(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
     """The same figures as :func:`memory_chart`, as an inline SVG of horizontal bars from zero (before
     grey, after blue), each labelled with its size: for the HTML report, which needs no script to show
@@ -158,7 +164,7 @@ def memory_svg(memory: Mapping[str, tuple[int | None, int | None]]) -> str | Non
     for i, (name, v, side) in enumerate(rows):
         y, width = i * row + 2, round(bar * v / largest)
         colour = BEFORE if side == "before" else AFTER
-        out += [f'<text x="0" y="{y + 15}" font-size="13">{name}</text>',
+        out += [f'<text x="0" y="{y + 15}" font-size="13">{html.escape(name)}</text>',
                 f'<rect x="{label}" y="{y + 3}" width="{width}" height="{row - 6}" fill="{colour}"/>',
                 f'<text x="{label + width + 6}" y="{y + 15}" font-size="13">{format_bytes(v)}</text>']
     return "".join(out) + "</svg>"
@@ -177,7 +183,7 @@ def memory_chart(memory: Mapping[str, tuple[int | None, int | None]]) -> str | N
     if values is None:
         return None
     name, size = _unit(max(max(pair) for pair in values.values()))  # type: ignore[type-var]
-    labels = ", ".join(f'"{g} {side} {format_bytes(v)}"' for g, pair in values.items()
+    labels = ", ".join(f'"{_label(g)} {side} {format_bytes(v)}"' for g, pair in values.items()
                        for side, v in zip(("before", "after"), pair))
     figures = [f"{v / size:.2f}" for pair in values.values() for v in pair]
     before = ", ".join(f if i % 2 == 0 else "0" for i, f in enumerate(figures))

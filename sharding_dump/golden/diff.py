@@ -153,8 +153,10 @@ def group_layers(names: Sequence[str], key: Callable[[str], Any] = lambda name: 
     kernels changed alike read `layers_0..31/mlp/wi_0/kernel`; groups of fewer than MIN_GROUP names
     stay apart.
 
-    >>> group_layers([f"params/layers/{i}/mlp/wi_0/kernel" for i in range(32)] + ["params/layers_1/w", "params/layers_2/w"])
-    [('params/layers/0..31/mlp/wi_0/kernel', ['params/layers/0/mlp/wi_0/kernel', ...]), ('params/layers_1/w', ['params/layers_1/w']), ('params/layers_2/w', ['params/layers_2/w'])]
+    >>> names = [f"params/layers/{i}/mlp/wi_0/kernel" for i in range(32)] + ["params/h_1/w", "params/h_2/w"]
+    >>> groups = group_layers(names)
+    >>> [(name, len(members)) for name, members in groups]
+    [('params/layers/0..31/mlp/wi_0/kernel', 32), ('params/h_1/w', 1), ('params/h_2/w', 1)]
     """
     groups: dict[tuple[str, Any], list[str]] = {}
     for name in names:
@@ -222,7 +224,7 @@ def format_diff(file_name: str, diff: DocumentDiff, max_lines: int | None = None
         [(name, [name]) for name in changes]  # the full report names every tensor
     for shown, members in grouped:
         key, slots, fields = changes[members[0]]
-        notes = ([f"{len(members)} {noun}s"] if len(members) > 1 else []) + ([f"and {', '.join(slots)}"] if slots else [])
+        notes = [f"{len(members)} {noun}s"] * (len(members) > 1) + [f"and {', '.join(slots)}"] * bool(slots)
         line = f"  {shown}" + (f"  ({', '.join(notes)})" if notes else "")
         blocks.setdefault(key, ([], fields))[0].append(line)
         count[line] = len(members)

@@ -147,7 +147,7 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
                 lines.append(f"{name}: same content, different bytes (not canonical JSON; rewrite it)")
                 continue
             mesh = new_docs[name].get("mesh", {})  # the full report writes specs as the goldens do
-            mesh_sizes = None if max_lines is None else dict(zip(mesh.get("axis_names", ()), mesh.get("axis_sizes", ())))
+            mesh_sizes = dict(zip(mesh.get("axis_names", ()), mesh.get("axis_sizes", ()))) if max_lines else None
             text = diff.format_diff(name, found, budget, mesh_sizes)
             lines += text.split("\n")
             if budget is not None:

@@ -118,5 +118,6 @@ def exceeded(memory: Memory, threshold: tuple[str, float | None, int | None]) ->
             continue
         grew = (new - old) * 100 > pct * old if pct is not None else new - old > limit
         if grew:
-            out.append(f"{name} {sizes.format_bytes(old)} -> {sizes.format_bytes(new)} ({sizes.format_change(old, new)})")
+            out.append(f"{name} {sizes.format_bytes(old)} -> {sizes.format_bytes(new)} "
+                       f"({sizes.format_change(old, new)})")
     return out

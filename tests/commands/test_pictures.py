@@ -4,7 +4,7 @@ import json
 
 from helpers import REPO
 from sharding_dump.commands.cli import main
-from sharding_dump.commands.pictures import memory_chart, split_grid
+from sharding_dump.commands.pictures import memory_chart, memory_svg, split_grid
 
 CASE = ["--model", "llama2-7b", "--topology", "tpu7x-2048", "--rule", "default", "ici_fsdp_parallelism=-1",
         "ici_tensor_parallelism=8"]
@@ -79,3 +79,13 @@ def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):
     sizes = dict(zip(golden["mesh"]["axis_names"], golden["mesh"]["axis_sizes"]))
     assert capsys.readouterr().out == split_grid(act, entry["shape"], entry["dtype"], entry["logical_axes"],
                                                  entry["partition_spec"], sizes) + "\n"
+
+
+def test_part_names_of_any_text_stay_inside_the_chart_labels():
+    """A part of the user's state named with a quote, a line break or markup ends no mermaid label and
+    reaches the SVG as text."""
+    memory = {'a"b\nc': (2**20, 2**21), "<script>x<": (2**20, 2**20)}
+    chart = memory_chart(memory)
+    assert "\"a'b c before 1.0 MiB\", \"a'b c after 2.0 MiB\"" in chart and chart.count("\n") == 8
+    svg = memory_svg(memory)
+    assert "<script>" not in svg and "&lt;script&gt;x&lt; before" in svg

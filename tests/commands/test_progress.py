@@ -57,7 +57,8 @@ def test_quiet_in_ci_and_off_a_terminal(env, terminal, monkeypatch, capsys):
 
 def test_dump_draws_its_status_line_on_a_terminal(terminal, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("sys.stderr", terminal)
-    assert main(["--model", "qwen3-0.6b", "--topology", "cpu-8", "--rule", "default", "--golden-dir", str(tmp_path)]) == 0
+    case = ["--model", "qwen3-0.6b", "--topology", "cpu-8", "--rule", "default"]
+    assert main([*case, "--golden-dir", str(tmp_path)]) == 0
     assert terminal.getvalue().startswith(ERASE + "[1/1] dumping qwen3-0.6b/cpu-8/slice_1/rule_default ")
     assert terminal.getvalue().endswith(ERASE)
     assert capsys.readouterr().out.startswith(f"{tmp_path.as_posix()}/qwen3-0.6b/cpu-8/slice_1/rule_default/: wrote ")

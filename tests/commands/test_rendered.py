@@ -28,7 +28,7 @@ WIDTH = 1400
 
 
 def chromium() -> str:
-    found = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None)
+    found = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
     if found is None:
         pytest.skip("no Chromium on PATH (apt-get install chromium)")
     return found
@@ -52,7 +52,8 @@ def reports(tmp_path_factory):
     text = (REPO / "sharding_dump/rules/default.yml").read_text()
     assert BATCH_LINE in text
     rule = root / "default.yml"
-    rule.write_text(text.replace(BATCH_LINE, "  - [activation_batch, []]\n").replace("  - [norm, [tensor]]\n", "  - [norm, fsdp]\n"))
+    rule.write_text(text.replace(BATCH_LINE, "  - [activation_batch, []]\n")
+                    .replace("  - [norm, [tensor]]\n", "  - [norm, fsdp]\n"))
     case = Case.make("llama2-7b", "v5p-16", str(rule))
     check_or_update(case, root / "golden", update=True)
     return diff.compare(REPO / "golden" / CASE, golden_dir(case, root / "golden"))
@@ -79,7 +80,8 @@ def test_mermaid_draws_every_bar_from_zero_in_two_colours(reports, tmp_path):
     bars = {}
     for series, colour in ((0, pictures.BEFORE), (1, pictures.AFTER)):
         group = re.search(rf'<g class="bar-plot-{series}">(.*?)</g>', svg).group(1)
-        rects = re.findall(r'<rect x="(-?[0-9.]+)" y="[0-9.]+" width="(-?[0-9.]+)" height="[0-9.]+" fill="([^"]+)"', group)
+        rects = re.findall(r'<rect x="(-?[0-9.]+)" y="[0-9.]+" width="(-?[0-9.]+)" height="[0-9.]+" '
+                           r'fill="([^"]+)"', group)
         assert {fill for _, _, fill in rects} == {colour}
         bars[series] = [(float(x), float(w)) for x, w, _ in rects]
     values = [v for pair in report.memory.values() for v in pair][:len(names)]
