@@ -118,8 +118,12 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
                        f"no golden for {label} ({', '.join(missing)} missing in {display(folder)}).\n"
                        f"Create it with:\n    {command}")
     stale = [name for name in GOLDEN_FILE_NAMES if name not in fresh and os.path.lexists(folder / name)]
+    trailer = [f"{name}: golden file that this case no longer produces" for name in stale]
+    trailer += [f"{name}: not a golden file (remove it, or run pytest --sharding-update)" for name in _extras(folder)]
+    if not trailer and all(current[name] == data for name, data in fresh.items()):
+        return Outcome(label, folder, "match")  # equal bytes: nothing parsed
     old_docs, new_docs, changes, broken = {}, {}, {}, []
-    for name, data in fresh.items():
+    for name, data in fresh.items():  # every document, for the memory of both sides
         new_docs[name] = json.loads(data)
         if current[name] == data:
             old_docs[name] = new_docs[name]
@@ -130,10 +134,6 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
             broken.append(f"{name}: the golden file is not a valid golden document ({err})")
             continue
         changes[name] = diff.diff_documents(old_docs[name], new_docs[name])
-    trailer = [f"{name}: golden file that this case no longer produces" for name in stale]
-    trailer += [f"{name}: not a golden file (remove it, or run pytest --sharding-update)" for name in _extras(folder)]
-    if not changes and not broken and not trailer:
-        return Outcome(label, folder, "match")
     head = [f"{label}: the dump differs from the golden in {display(folder)}"]
     if changes:  # memory per device first: what a reviewer weighs before any tensor
         head += memory.lines(memory.compare(old_docs, new_docs))
@@ -141,7 +141,8 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
 
     def report(max_lines: int | None) -> str:
         lines = head + broken
-        budget = None if max_lines is None else max_lines - len(lines) - len(trailer) - len(tail) - command.count("\n")
+        fixed = len(lines) + len(trailer) + len(tail) + command.count("\n")
+        budget = None if max_lines is None else max_lines - fixed
         for name, found in changes.items():
             if not found:
                 lines.append(f"{name}: same content, different bytes (not canonical JSON; rewrite it)")
