@@ -20,12 +20,16 @@ from typing import IO, Any
 ERASE = "\r\x1b[2K"  # back to the line's start, erase it
 
 
+def line_based() -> bool:
+    """Whether the environment wants plain lines only, whatever the stream: a CI (`CI` true or 1) or a
+    dumb terminal."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes") or os.environ.get("TERM") == "dumb"
+
+
 def live_terminal(stream: IO[str]) -> bool:
-    """Whether a status line may be drawn on `stream`: a terminal, not in CI, not a dumb terminal."""
-    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes") or os.environ.get("TERM") == "dumb":
-        return False
+    """Whether a status line may be drawn on `stream`: a terminal, and not :func:`line_based`."""
     isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+    return not line_based() and bool(isatty and isatty())
 
 
 def _clock(seconds: float) -> str:

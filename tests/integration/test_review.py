@@ -132,3 +132,15 @@ def test_rule_edit_on_32_unscanned_layers_is_a_short_report(mini_project, monkey
     for i in range(32):
         for name in ("query", "key", "value", "out", "up", "down"):
             assert f"  params/block_{i}/{name}/kernel  (and opt_state/0/mu, opt_state/0/nu)" in lines
+
+
+def test_update_on_a_terminal_names_the_case_it_dumps(activations_blown, monkeypatch):
+    """--sharding-update on a terminal (pytest colours its output): while a case is dumped, its name and
+    how many are left, after the progress dots, erased before its letter; nothing of it in CI."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("COLUMNS", "200")
+    out = run(activations_blown, "--sharding-update", "--color=yes").stdout.str()
+    assert f"\x1b7 dumping {ACT_CASE} (1 of 1, 0 left after it)\x1b8\x1b[K" in out
+    monkeypatch.setenv("CI", "true")
+    assert "\x1b7" not in run(activations_blown, "--sharding-update", "--color=yes").stdout.str()
