@@ -112,7 +112,8 @@ def test_html_report_fits_1400_pixels_and_colours_the_changes(reports, tmp_path)
     assert {"rgb(253, 226, 225)", "rgb(255, 243, 196)"} <= {colour for _, _, colour in cells}  # memory up, new spec
     assert min(top for top, _, _ in cells) < 1000  # on the first screen
     shot = tmp_path / "report.png"
-    subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+    profile = f"--user-data-dir={tmp_path / 'profile'}"
+    subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", profile,
                     f"--window-size={WIDTH},1000", f"--screenshot={shot}", (tmp_path / "report.html").as_uri()],
                    capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000  # the picture a reviewer looks at, kept in the test's folder
