@@ -195,10 +195,11 @@ def _counts_line(report: CaseReport) -> str:
 
 
 def _memory_cell(old: int | None, new: int | None) -> str:
-    """`3.1 GiB -> 24.2 GiB (+673%)`, or one size when it did not move."""
+    """`3.1 GiB -> 24.2 GiB (+21.1 GiB, +673%)`, or one size when it did not move."""
     if old == new:
         return sizes.format_bytes(old)
-    return f"{sizes.format_bytes(old)} -> {sizes.format_bytes(new)} ({sizes.format_percent(old, new)})"
+    change = f"{sizes.format_delta(old, new)}, {sizes.format_percent(old, new)}"
+    return f"{sizes.format_bytes(old)} -> {sizes.format_bytes(new)} ({change})"
 
 
 def _part(part: str, fmt: str) -> str:

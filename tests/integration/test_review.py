@@ -85,7 +85,7 @@ def test_activation_blow_up_leads_the_failing_test_and_the_comment(activations_b
     comment = capsys.readouterr().out
     header, _, row = comment.split("\n\n")[1].splitlines()
     column = [c.strip() for c in header.split("|")].index("activations/device")
-    assert [c.strip() for c in row.split("|")][column] == "15.7 GiB -> 22.9 GiB (+46%)"
+    assert [c.strip() for c in row.split("|")][column] == "15.7 GiB -> 22.9 GiB (+7.2 GiB, +46%)"
     chart = comment.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert '"activations before 15.7 GiB", "activations after 22.9 GiB"' in chart
 
