@@ -233,8 +233,9 @@ class GoldenChecker:
             outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree, the user's code failing: one line, like the CLI
             fail(self.config, f"{case.label}: {one_line(str(err))}", err)
-        if not outcome.ok:
-            pytest.fail(outcome.report, pytrace=False)
+        if not outcome.ok:  # -vv: every changed tensor, else a report of at most MAX_REPORT_LINES lines
+            verbose = self.item is not None and self.item.config.get_verbosity() >= 2
+            pytest.fail(outcome.full_report if verbose and outcome.full_report else outcome.report, pytrace=False)
         if self.verify:  # --sharding-verify: the compiled step too
             from sharding_dump.commands.verify.render import render_case
             from sharding_dump.commands.verify.run import verify_case
@@ -366,6 +367,18 @@ class _Tally:
                 and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    def pytest_report_collectionfinish(self, config: pytest.Config, items: list[pytest.Item]) -> str | None:
+        """Under --sharding-update, what the run will work on before it starts (pytest's progress
+        then counts the cases done; -v names each case as it is dumped)."""
+        cases = sum(1 for item in items if isinstance(item, CaseItem))
+        if not config.getoption("--sharding-update") or not cases:
+            return None
+        from sharding_dump.golden.engine import display
+
+        how = "" if config.get_verbosity() > 0 else " (-v names each case as it is dumped)"
+        return f"sharding-dump: updating the goldens of {cases} case{'s' * (cases != 1)} in " \
+               f"{display(project_of(config).golden_dir)}{how}"
+
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if self.kept:  # stale paths left undecided, or not deleted
             terminalreporter.write_line(f"sharding-dump: warning: {len(self.stale)} golden path(s) no test of this run "
@@ -425,6 +438,45 @@ class _Collected:
                    for report in terminalreporter.stats.get("error", []))
 
 
+class _Working:
+    """Under --sharding-update on a terminal (no -v, no xdist, not CI): while a case is dumped, the
+    case and how many are left, after the progress dots, erased before the case's own letter. Written
+    around pytest's accounting (save cursor, text, restore; then erase to the line's end), so its
+    percentages stay where they are."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.writer: Any = None
+        self.cases: list[str] = []
+        self.shown = False
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        writer = self.config.get_terminal_writer()
+        if writer.hasmarkup:  # pytest found a terminal (or was told to colour)
+            self.writer = writer
+            self.cases = [item.nodeid for item in session.items if isinstance(item, CaseItem)]
+
+    @pytest.hookimpl(trylast=True)  # after pytest wrote the file's name
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        if nodeid not in self.cases:
+            return
+        index = self.cases.index(nodeid)
+        label = nodeid.split("::", 1)[-1]
+        text = f" dumping {label} ({index + 1} of {len(self.cases)}, {len(self.cases) - index - 1} left after it)"
+        room = self.writer.fullwidth - max(self.writer.width_of_current_line, 0) - 12  # " [100%]" and the letters
+        if room < 20:
+            return
+        text = text if len(text) <= room else text[:room - 3] + "..."
+        self.writer.write_raw(f"\x1b7{text}\x1b8", flush=True)
+        self.shown = True
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest writes the case's letter
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.shown:
+            self.writer.write_raw("\x1b[K", flush=True)
+            self.shown = False
+
+
 def _covered(anchor: Path, paths: Iterable[Path]) -> bool:
     return any(path == anchor or path in anchor.parents for path in paths)
 
@@ -432,6 +484,12 @@ def _covered(anchor: Path, paths: Iterable[Path]) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     project_of(config)  # a bad [tool.sharding-dump] is a usage error before anything runs
     config.pluginmanager.register(_Tally(), "sharding-dump-tally")
+    if config.getoption("--sharding-update") and config.get_verbosity() <= 0 and not hasattr(config, "workerinput") \
+            and getattr(config.option, "dist", "no") == "no":
+        from sharding_dump.commands.progress import line_based
+
+        if not line_based():
+            config.pluginmanager.register(_Working(config), "sharding-dump-working")
     anchor = _anchor(config)
     if anchor is None:
         return

@@ -352,18 +352,21 @@ def _mutated(work: Path, mutation: tuple[str, str, str]) -> Path:
 
 
 def _cut(text: str, rows: int) -> str:
-    """The report's head, up to `rows` tensor entries, then `...` (the docs show the start of it)."""
-    out, seen = [], 0
+    """The report's head, up to `rows` blocks of tensors (names, then the fields they changed), then
+    `...` (the docs show the start of it)."""
+    out, seen, cut = [], 0, False
     lines = text.splitlines()
     tail = [line for line in lines if line.startswith(("If the change", "    sharding-dump", "(or pytest"))]
     for line in lines:
-        if line.startswith("  params/") or line.startswith("  forward/") or line.startswith("  opt_state/"):
-            seen += 1
-            if seen > rows:
-                out.append(f"  ... ({trimmed(len(lines) - len(out) - len(tail))})")
-                break
+        field = line.startswith("      ")
+        if field:
+            seen += 1 if not out[-1].startswith("      ") else 0
+        elif seen >= rows and line.startswith("  ") and out and out[-1].startswith("      "):
+            out.append(f"  ... ({trimmed(len(lines) - len(out) - len(tail))})")
+            cut = True
+            break
         out.append(line)
-    return "\n".join(out + (tail if seen > rows else []))
+    return "\n".join(out + (tail if cut else []))
 
 
 def trimmed(lines: int) -> str:
@@ -443,7 +446,7 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         blocks["card-refusal"] = _card_refusal(work)
         act = Case.make(model, topology, str(_mutated(work, ACTIVATION_MUTATION).relative_to(work)))
         act_report = check_or_update(act, "golden", update=False).report
-        blocks["activation-report"] = _cut(act_report[act_report.index("activation_shardings.json"):], 1)
+        blocks["activation-report"] = _cut(act_report, 1)
     blocks["serving-memory"] = _serving_memory()
     args, tensor = SHOW_TENSOR
     parser = options.Parser()

@@ -30,18 +30,19 @@ import argparse
 import dataclasses
 import functools
 import math
-import time
 from typing import Any, Iterable
 
 import jax.numpy as jnp
 
 from sharding_dump import models
-from sharding_dump.commands import options, tables
+from sharding_dump.commands import options
+from sharding_dump.commands.progress import Progress
 from sharding_dump.core import specs
 from sharding_dump.core.layout import TensorLayout, indivisible, leaves, per_device_totals
 from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import diff
+from sharding_dump.golden.sizes import format_bytes
 from sharding_dump.golden.engine import display
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
 from sharding_dump.zoo import cards, rules, serving, state
@@ -176,10 +177,10 @@ def _tensor_details(rule_set: rules.RuleSet, listed: list[tuple[TensorLayout, in
     of the ones not listed."""
     lines = []
     for layout, size, note in listed:
-        lines.append(f"{layout.path}{note}  {tables.format_bytes(size)}")
+        lines.append(f"{layout.path}{note}  {format_bytes(size)}")
         lines += dimension_rules(rule_set, layout)
     if rest:
-        lines.append(f"... and {rest} more {what} ({tables.format_bytes(rest_bytes)})")
+        lines.append(f"... and {rest} more {what} ({format_bytes(rest_bytes)})")
     return tuple(lines)
 
 
@@ -280,7 +281,7 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
             "no-rule", f"logical axis '{name}'",
             f"{len(tensors)} parameter{'s' if len(tensors) > 1 else ''} name a dimension '{name}', and "
             f"{display(rule_set.path)} has no rule for it: that dimension is whole on every device",
-            tuple(f"{t.path}  {tables.format_bytes(_global_bytes(t))}" for t in ordered[:TOP_TENSORS])
+            tuple(f"{t.path}  {format_bytes(_global_bytes(t))}" for t in ordered[:TOP_TENSORS])
             + ((f"... and {len(ordered) - TOP_TENSORS} more parameters",) if len(ordered) > TOP_TENSORS else ())))
     return findings
 
@@ -306,8 +307,8 @@ def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: f
     rest = ordered[TOP_TENSORS:]
     return [Finding(
         "replicated", "parameters held whole by every device",
-        f"{replicated / total:.1%} of the parameter bytes ({tables.format_bytes(replicated)} of "
-        f"{tables.format_bytes(total)}) are split over none of {axes}, above the {tolerance:.1%} tolerance",
+        f"{replicated / total:.1%} of the parameter bytes ({format_bytes(replicated)} of "
+        f"{format_bytes(total)}) are split over none of {axes}, above the {tolerance:.1%} tolerance",
         _tensor_details(setup.rule_set, listed, len(rest), sum(_global_bytes(t) for t in rest), "replicated parameters"))]
 
 
@@ -331,9 +332,9 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
     rest = ordered[TOP_TENSORS:]
     return [Finding(
         "memory", "params + optimizer state per device",
-        f"params {tables.format_bytes(totals.get('params', 0))} + optimizer state "
-        f"{tables.format_bytes(totals.get('opt_state', 0))} = {tables.format_bytes(used)} per device, above the "
-        f"{tables.format_bytes(hbm)} HBM of one {setup.topology.chip} device ({used / hbm:.0%}); largest per device:",
+        f"params {format_bytes(totals.get('params', 0))} + optimizer state "
+        f"{format_bytes(totals.get('opt_state', 0))} = {format_bytes(used)} per device, above the "
+        f"{format_bytes(hbm)} HBM of one {setup.topology.chip} device ({used / hbm:.0%}); largest per device:",
         _tensor_details(setup.rule_set, listed, len(rest), sum(by_param[p] for p in rest), "parameters"))]
 
 
@@ -524,14 +525,15 @@ def run(args: argparse.Namespace) -> int:
     cases = options.cases_of(args, "checks", options.project_of(args))
     lint_settings()  # a broken data/lint.yml is bad input before any output
     found = 0
-    for index, case in enumerate(cases, 1):
-        start = time.perf_counter()
-        findings = lint_case(case, tolerance)
-        found += len(findings)
-        head, _, rest = render_findings(case, findings).partition("\n")
-        options.progress(index, len(cases), head, start)
-        if rest:
-            print(rest, flush=True)
+    with Progress(len(cases), "checking") as progress:
+        for case in cases:
+            progress.start(case.label)
+            findings = lint_case(case, tolerance)
+            found += len(findings)
+            head, _, rest = render_findings(case, findings).partition("\n")
+            progress.finish(head)
+            if rest:
+                print(rest, flush=True)
     if len(cases) > 1:
         print(f"{len(cases)} cases checked, {found} finding{'' if found == 1 else 's'}")
     return 1 if found else 0

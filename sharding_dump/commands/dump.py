@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from sharding_dump.commands import options
+from sharding_dump.commands.progress import Progress
 from sharding_dump.errors import BadInput, one_line
 
 if TYPE_CHECKING:
@@ -133,19 +134,23 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter()
     tally: collections.Counter[str] = collections.Counter()
     jobs = default_jobs() if args.jobs is None else args.jobs
-    try:
-        for index, (case, dumped) in enumerate(zip(cases, dumped_in_order(cases, project.golden_dir, jobs)), 1):
-            tally[dumped.kind] += 1
-            what = "; ".join([f"wrote {', '.join(dumped.files)}"] * bool(dumped.files) +
-                             [f"removed {', '.join(dumped.removed)}"] * bool(dumped.removed)) or "unchanged"
-            options.progress(index, len(cases), f"{display(dumped.folder)}/: {what}",
-                             time.perf_counter() - dumped.seconds)
-            for warning in dumped.use_warnings:
-                print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
-    except concurrent.futures.process.BrokenProcessPool:
-        print("sharding-dump: error: a worker process died (killed, or out of memory); each golden folder is whole, "
-              "old or new: run again (-j 1 dumps in this process)", file=sys.stderr)
-        return 1
+    with Progress(len(cases), "dumping") as progress:
+        results = dumped_in_order(cases, project.golden_dir, jobs)
+        try:
+            for case in cases:
+                progress.start(case.label)  # with -j N: the next case in order, whose result is awaited
+                dumped = next(results)
+                tally[dumped.kind] += 1
+                what = "; ".join([f"wrote {', '.join(dumped.files)}"] * bool(dumped.files) +
+                                 [f"removed {', '.join(dumped.removed)}"] * bool(dumped.removed)) or "unchanged"
+                progress.finish(f"{display(dumped.folder)}/: {what}", seconds=dumped.seconds)
+                for warning in dumped.use_warnings:
+                    print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
+            next(results, None)  # the workers are joined
+        except concurrent.futures.process.BrokenProcessPool:
+            print("sharding-dump: error: a worker process died (killed, or out of memory); each golden folder is "
+                  "whole, old or new: run again (-j 1 dumps in this process)", file=sys.stderr)
+            return 1
     if len(cases) > 1:
         print(f"{len(cases)} cases in {time.perf_counter() - total:.1f}s")
         print(summary_line(tally))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import TYPE_CHECKING, ContextManager
 
 from sharding_dump.errors import BadInput, one_line, shown
@@ -207,9 +206,3 @@ def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case
         for note in read.compiled_notes:
             print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
     return read.case
-
-
-def progress(index: int, count: int, line: str, started: float) -> None:
-    """One line per finished case, flushed so a CI log shows it at once; `[i/n]` when there are many."""
-    prefix = f"[{index}/{count}] " if count > 1 else ""
-    print(f"{prefix}{line} ({time.perf_counter() - started:.2f}s)", flush=True)

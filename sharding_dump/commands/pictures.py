@@ -24,28 +24,30 @@ each device holds float32[4,2] (32 Bytes); each block is on 1 device
 +-----------------+----------+----------+----------+
 >>> print(memory_chart({"params": (2**30, 3 * 2**30), "opt_state": (2 * 2**30, 6 * 2**30), "step": (4, 4)}))
 ```mermaid
-xychart-beta
-    title "Memory per device, before and after"
-    x-axis ["params before", "params after", "opt_state before", "opt_state after"]
-    y-axis "GiB per device"
-    bar [1.00, 3.00, 2.00, 6.00]
+%%{init: {"xyChart": {"yAxis": {"showLabel": false, "showTick": false}}, "themeVariables": {"xyChart": {"plotColorPalette": "#9e9e9e, #1e88e5"}}}}%%
+xychart-beta horizontal
+    title "Memory per device, before (grey) and after (blue)"
+    x-axis ["params before 1.0 GiB", "params after 3.0 GiB", "opt_state before 2.0 GiB", "opt_state after 6.0 GiB"]
+    y-axis "GiB per device, from 0" 0 --> 6.00
+    bar [1.00, 0, 2.00, 0]
+    bar [0, 3.00, 0, 6.00]
 ```
 """
 
 from __future__ import annotations
 
+import html
 import math
 from typing import Mapping, Sequence
 
 from tabulate import tabulate
 
-from sharding_dump.commands import tables
 from sharding_dump.core import specs
 from sharding_dump.golden import diff
+from sharding_dump.golden.sizes import format_bytes
 
 MAX_BLOCKS = 8  # blocks drawn per direction of the grid; the middle ones of a longer split are elided
 UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("Bytes", 1))
-GROUP_ORDER = ("params", "opt_state")
 
 
 def _shown(count: int, limit: int = MAX_BLOCKS) -> list[int | None]:
@@ -94,7 +96,7 @@ def split_grid(path: str, shape: Sequence[int], dtype: str, logical_axes: Sequen
     spread = f"each block is on {held_by} device{'s' * (held_by != 1)}" + (
         f" (replicated over {' x '.join(replicas)})" if replicas else "")
     held = math.prod(per_device) * specs.itemsize(dtype)
-    lines.append(f"each device holds {dtype}{diff.compact(per_device)} ({tables.format_bytes(held)}); {spread}")
+    lines.append(f"each device holds {dtype}{diff.compact(per_device)} ({format_bytes(held)}); {spread}")
     split = [dim for dim in range(ndim) if axes[dim]]
     if not split:
         return "\n".join(lines)
@@ -129,20 +131,28 @@ def _unit(largest: int) -> tuple[str, int]:
     return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
 
 
+BEFORE, AFTER = "#9e9e9e", "#1e88e5"  # the colours of the bars before (grey) and after (blue)
+
+
 def _chart_groups(memory: Mapping[str, tuple[int | None, int | None]]) -> dict[str, tuple[int, int]] | None:
-    """The parts of the state to chart (not the total), in state order; None when nothing moved or a
-    side has no byte counts."""
-    groups = sorted((g for g in memory if g != "total"),
-                    key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g))
-    values = {g: memory[g] for g in groups}
-    if all(old == new for old, new in values.values()) or any(None in pair for pair in values.values()):
+    """The parts to chart (params, opt_state, activations, any other; parts below 0.5% of the largest
+    left out), in report order; None when nothing moved or a side has no byte counts."""
+    values = {g: pair for g, pair in memory.items() if g != "total"}
+    if not values or all(old == new for old, new in values.values()) or any(None in pair for pair in values.values()):
         return None
-    return values  # type: ignore[return-value]
+    largest = max(max(pair) for pair in values.values()) or 1  # type: ignore[type-var]
+    return {g: pair for g, pair in values.items() if max(pair) >= largest / 200}  # type: ignore[misc]
+
+
+def _label(part: str) -> str:
+    """A part's name inside a mermaid label: no quote or line break to end it."""
+    return " ".join(part.replace('"', "'").split())
 
 
 def memory_svg(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
-    """The same figures as :func:`memory_chart`, as an inline SVG of horizontal bars (before grey,
-    after blue), each labelled with its size: for the HTML report, which needs no script to show it."""
+    """The same figures as :func:`memory_chart`, as an inline SVG of horizontal bars from zero (before
+    grey, after blue), each labelled with its size: for the HTML report, which needs no script to show
+    it."""
     values = _chart_groups(memory)
     if values is None:
         return None
@@ -153,23 +163,38 @@ def memory_svg(memory: Mapping[str, tuple[int | None, int | None]]) -> str | Non
            f'role="img" aria-label="memory per device, before and after">']
     for i, (name, v, side) in enumerate(rows):
         y, width = i * row + 2, round(bar * v / largest)
-        colour = "#9e9e9e" if side == "before" else "#1e88e5"
-        out += [f'<text x="0" y="{y + 15}" font-size="13">{name}</text>',
+        colour = BEFORE if side == "before" else AFTER
+        out += [f'<text x="0" y="{y + 15}" font-size="13">{html.escape(name)}</text>',
                 f'<rect x="{label}" y="{y + 3}" width="{width}" height="{row - 6}" fill="{colour}"/>',
-                f'<text x="{label + width + 6}" y="{y + 15}" font-size="13">{tables.format_bytes(v)}</text>']
+                f'<text x="{label + width + 6}" y="{y + 15}" font-size="13">{format_bytes(v)}</text>']
     return "".join(out) + "</svg>"
 
 
 def memory_chart(memory: Mapping[str, tuple[int | None, int | None]]) -> str | None:
-    """A mermaid `xychart-beta` bar chart of memory per device per part of the state (params,
-    opt_state, ...; not the total), a bar before and a bar after each; None when nothing moved or a
-    side has no byte counts. GitHub renders it in a comment; elsewhere it reads as a code block."""
+    """A mermaid `xychart-beta` bar chart of memory per device per part (params, opt_state,
+    activations, ...), a bar before (grey) and a bar after (blue) each, horizontal, on a value axis
+    from 0 to the largest figure, each bar's label carrying its size (tests/commands/test_mermaid.py
+    renders it with mermaid and measures the bars); None when nothing moved or a
+    side has no byte counts. GitHub renders it in a comment; elsewhere it reads as a code block.
+
+    The two colours are two bar series over the same labels, each 0 where the other has its bar
+    (mermaid draws the bars of every series at the same place)."""
     values = _chart_groups(memory)
     if values is None:
         return None
     name, size = _unit(max(max(pair) for pair in values.values()))  # type: ignore[type-var]
-    shown = {g: pair for g, pair in values.items() if max(pair) / size >= 0.005}  # type: ignore[type-var]
-    labels = ", ".join(f'"{g} {side}"' for g in shown for side in ("before", "after"))
-    bars = ", ".join(f"{v / size:.2f}" for pair in shown.values() for v in pair)  # type: ignore[operator]
-    return "\n".join(["```mermaid", "xychart-beta", '    title "Memory per device, before and after"',
-                      f"    x-axis [{labels}]", f'    y-axis "{name} per device"', f"    bar [{bars}]", "```"])
+    labels = ", ".join(f'"{_label(g)} {side} {format_bytes(v)}"' for g, pair in values.items()
+                       for side, v in zip(("before", "after"), pair))
+    figures = [f"{v / size:.2f}" for pair in values.values() for v in pair]
+    before = ", ".join(f if i % 2 == 0 else "0" for i, f in enumerate(figures))
+    after = ", ".join(f if i % 2 == 1 else "0" for i, f in enumerate(figures))
+    top = math.ceil(max(max(pair) for pair in values.values()) / size * 100) / 100  # type: ignore[type-var]
+    # No tick labels on the value axis: mermaid pads that axis by half a label's width and draws bars
+    # from the plot's edge, which would add the padding to every bar (and show the 0 of the other
+    # series as a stub); without them the bars start at the axis, at 0. The sizes are in the labels.
+    init = ('{"xyChart": {"yAxis": {"showLabel": false, "showTick": false}}, '
+            '"themeVariables": {"xyChart": {"plotColorPalette": "%s, %s"}}}' % (BEFORE, AFTER))
+    return "\n".join(["```mermaid", f"%%{{init: {init}}}%%", "xychart-beta horizontal",
+                      '    title "Memory per device, before (grey) and after (blue)"',
+                      f"    x-axis [{labels}]", f'    y-axis "{name} per device, from 0" 0 --> {top:.2f}',
+                      f"    bar [{before}]", f"    bar [{after}]", "```"])

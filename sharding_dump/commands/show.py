@@ -22,6 +22,7 @@ from sharding_dump.core import specs
 from sharding_dump.core.layout import per_device_totals
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.golden import diff
+from sharding_dump.golden.sizes import format_bytes
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import case_layouts, trace_activations
 
@@ -38,7 +39,7 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
         spec = specs.spec_to_json(t.partition_spec, len(t.shape))
         rows.append([t.path, diff.compact(list(t.shape)), diff.compact(list(t.logical_axes)),
                      diff.compact(spec if full_specs else specs.spec_to_json(spec, len(spec), sizes)),
-                     diff.compact(list(t.per_device_shape)), tables.format_bytes(t.per_device_bytes)]
+                     diff.compact(list(t.per_device_shape)), format_bytes(t.per_device_bytes)]
                     + [t.source] * sources)
     mesh = " x ".join(f"{name}={size}" for name, size in sizes.items() if size > 1) or "a single device"
     note = "" if full_specs else "; specs leave out mesh axes of size 1 (--full-specs shows them)"
@@ -47,11 +48,11 @@ def render_case_table(case: Case, full_specs: bool = False) -> str:
                            + ["placed by"] * sources, rows, "text", right=(5,)), ""]
     totals = per_device_totals(layouts)
     groups = sorted((g for g in totals if g != "total"), key=lambda g: (GROUP_ORDER.get(g, 2), g))
-    parts = ", ".join(f"{group} {tables.format_bytes(totals[group])}" for group in groups)
+    parts = ", ".join(f"{group} {format_bytes(totals[group])}" for group in groups)
     hbm = setup.topology.hbm_bytes_per_device
-    limit = (f" of {tables.format_bytes(hbm)} HBM ({totals['total'] / hbm:.1%})" if hbm
+    limit = (f" of {format_bytes(hbm)} HBM ({totals['total'] / hbm:.1%})" if hbm
              else " (no HBM limit known for this topology)")
-    lines.append(f"per device: {parts}; total {tables.format_bytes(totals['total'])}{limit}")
+    lines.append(f"per device: {parts}; total {format_bytes(totals['total'])}{limit}")
     return "\n".join(lines) + "\n"
 
 

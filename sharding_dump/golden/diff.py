@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Container, Iterator, Mapping
+import re
+from typing import Any, Callable, Container, Iterable, Iterator, Mapping, Sequence
 
-MAX_TENSORS = 60  # per file in one report; the rest is counted
+from sharding_dump.core import specs
+from sharding_dump.golden import sizes
 
 
 @dataclasses.dataclass
@@ -130,33 +132,115 @@ def fold_slots(changed: dict[str, Any]) -> dict[str, tuple[Any, list[str]]]:
     return folded
 
 
-def format_diff(file_name: str, diff: DocumentDiff, limit: int = MAX_TENSORS) -> str:
-    """The report of one file: a count line, then one block per changed tensor (parameters and
-    forward activations first, their optimizer slots / backward mirrors folded in when they changed
-    the same way)."""
+_INDEX = re.compile(r"(?<=[/_])\d+(?=/|$)")  # a layer index: a path element, or `_<n>` ending one
+MIN_GROUP = 3  # names differing only in their indices that are grouped into one (wi_0 and wi_1 stay two)
+FULL_HINT = "run pytest with -vv to list every one"
+
+
+def _ranges(values: Iterable[int]) -> str:
+    """`0..31`, `0..3,5,7..8`: sorted integers as runs."""
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def group_layers(names: Sequence[str], key: Callable[[str], Any] = lambda name: None) -> list[tuple[str, list[str]]]:
+    """Names that differ only in their layer indices and have the same `key` (their change), as one
+    name with the indices written as ranges, in order of first appearance: 32 unscanned layers'
+    kernels changed alike read `layers_0..31/mlp/wi_0/kernel`; groups of fewer than MIN_GROUP names
+    stay apart.
+
+    >>> names = [f"params/layers/{i}/mlp/wi_0/kernel" for i in range(32)] + ["params/h_1/w", "params/h_2/w"]
+    >>> groups = group_layers(names)
+    >>> [(name, len(members)) for name, members in groups]
+    [('params/layers/0..31/mlp/wi_0/kernel', 32), ('params/h_1/w', 1), ('params/h_2/w', 1)]
+    """
+    groups: dict[tuple[str, Any], list[str]] = {}
+    for name in names:
+        groups.setdefault((_INDEX.sub("#", name), key(name)), []).append(name)
+    out: list[tuple[str, list[str]]] = []
+    for (template, _), members in groups.items():
+        if len(members) < MIN_GROUP:
+            out += [(name, [name]) for name in members]
+            continue
+        columns = list(zip(*(map(int, _INDEX.findall(name)) for name in members)))
+        pieces = template.split("#")
+        shown = pieces[0] + "".join(_ranges(col) + piece for col, piece in zip(columns, pieces[1:]))
+        out.append((shown, members))
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(out, key=lambda group: order[group[1][0]])
+
+
+def _shown(field: str, value: Any, mesh_sizes: Mapping[str, int] | None) -> str:
+    """A field's value as a report writes it: bytes in human units, a spec without mesh axes of size 1
+    (when the mesh is known)."""
+    if field == "per_device_bytes" and isinstance(value, int) and not isinstance(value, bool):
+        return sizes.format_bytes(value)
+    if field == "partition_spec" and mesh_sizes and isinstance(value, list):
+        return compact(specs.spec_to_json(value, len(value), mesh_sizes))
+    return compact(value)
+
+
+def field_lines(fields: Mapping[str, tuple[Any, Any]], mesh_sizes: Mapping[str, int] | None = None) -> list[str]:
+    """One line per changed field, `golden` and `now` values as :func:`_shown` writes them (raw JSON
+    when the short forms would read the same)."""
+    width = max(len(f) for f in fields)
+    out = []
+    for field, (old, new) in sorted(fields.items()):
+        a, b = _shown(field, old, mesh_sizes), _shown(field, new, mesh_sizes)
+        if a == b:
+            a, b = compact(old), compact(new)
+        out.append(f"      {field:<{width}}  golden {a}  now {b}")
+    return out
+
+
+def format_diff(file_name: str, diff: DocumentDiff, max_lines: int | None = None,
+                mesh_sizes: Mapping[str, int] | None = None) -> str:
+    """The report of one file: a count line, then the changed tensors (parameters and forward
+    activations first, their optimizer slots / backward mirrors folded in when they changed the same
+    way), tensors that changed alike listed over one set of field lines. At most `max_lines` lines,
+    repeated layers grouped (:func:`group_layers`), the rest counted on the last; None: every
+    tensor by its own name. Memory per device is the caller's (the `per_device_bytes` header is left out here)."""
     noun = "activation" if diff.kind == "activations" else "tensor"
     lines = [f"{file_name}: {_plural(len(diff.changed), noun)} changed, "
              f"{len(diff.added)} added, {len(diff.removed)} removed"]
     for key, (old, new) in sorted(diff.header.items()):
-        lines.append(f"  header {key}  golden {compact(old)}  now {compact(new)}")
+        if not key.startswith("per_device_bytes"):
+            lines.append(f"  header {key}  golden {compact(old)}  now {compact(new)}")
     folded = fold_slots(diff.changed)
-    order = sorted(folded, key=lambda n: (not n.startswith(("params/", "forward/")), n))
-    shown = 0
-    for name in order[:limit]:
+    changes: dict[str, tuple[str, list[str], list[str]]] = {}  # name -> (change key, slots, field lines)
+    for name in sorted(folded, key=lambda n: (not n.startswith(("params/", "forward/")), n)):
         fields, slots = folded[name]
-        lines.append(f"  {name}" + (f"  (and {', '.join(slots)})" if slots else ""))
-        width = max(len(f) for f in fields)
-        for field, (old, new) in sorted(fields.items()):
-            lines.append(f"      {field:<{width}}  golden {compact(old)}  now {compact(new)}")
-        shown += 1
-    rest = len(order) - shown
+        changes[name] = (compact([fields, slots]), slots, field_lines(fields, mesh_sizes))
     for label, entries in (("added", diff.added), ("removed", diff.removed)):
         for name in sorted(entries):
-            if shown >= limit:
-                rest += 1
-                continue
-            lines.append(f"  {label} {name}  {compact(entries[name])}")
-            shown += 1
-    if rest > 0:
-        lines.append(f"  ... and {rest} more {noun}s")
+            changes[f"{label} {name}"] = (compact([label, entries[name]]), [], [f"      {compact(entries[name])}"])
+    blocks: dict[str, tuple[list[str], list[str]]] = {}  # change key -> (name lines, field lines)
+    count = {}  # name line -> tensors it stands for
+    grouped = group_layers(list(changes), key=lambda n: changes[n][0]) if max_lines is not None else \
+        [(name, [name]) for name in changes]  # the full report names every tensor
+    for shown, members in grouped:
+        key, slots, fields = changes[members[0]]
+        notes = [f"{len(members)} {noun}s"] * (len(members) > 1) + [f"and {', '.join(slots)}"] * bool(slots)
+        line = f"  {shown}" + (f"  ({', '.join(notes)})" if notes else "")
+        blocks.setdefault(key, ([], fields))[0].append(line)
+        count[line] = len(members)
+    left = None if max_lines is None else max(max_lines - len(lines) - 1, 1)
+    rest = 0
+    for names, fields in blocks.values():
+        if left is not None and len(fields) + 1 > left:
+            rest += sum(count[n] for n in names)
+            left = 0
+            continue
+        take = names if left is None else names[:left - len(fields)]
+        lines += take + fields
+        rest += sum(count[n] for n in names[len(take):])
+        if left is not None:
+            left -= len(take) + len(fields)
+    if rest:
+        lines.append(f"  ... and {_plural(rest, noun)} more ({FULL_HINT})")
     return "\n".join(lines)

@@ -19,9 +19,10 @@ from typing import Any, Mapping
 
 from sharding_dump.core.format import GOLDEN_FILE_NAMES
 from sharding_dump.errors import BadInput, os_error
-from sharding_dump.golden import codec, diff, store
+from sharding_dump.golden import codec, diff, memory, store
 
 UPDATE_HINT = "(or pytest --sharding-update)"
+MAX_REPORT_LINES = 60  # of a failing golden test's report by default (pytest -vv: every tensor)
 SUMMARY_KINDS = ("updated", "created", "unchanged", "deleted")  # what an update run did to each golden
 
 
@@ -37,6 +38,7 @@ class Outcome:
     removed: tuple[str, ...] = ()  # stray names removed from the case folder
     replaced: tuple[str, ...] = ()  # golden paths replaced unread, each with what it was (update's repair)
     case: Any = None  # the zoo Case, when the folder belongs to one
+    full_report: str = ""  # the report with every changed tensor (`report` is cut to MAX_REPORT_LINES)
 
     @property
     def ok(self) -> bool:
@@ -116,26 +118,44 @@ def compare(folder: Path, fresh: Mapping[str, bytes], label: str, command: str,
                        f"no golden for {label} ({', '.join(missing)} missing in {display(folder)}).\n"
                        f"Create it with:\n    {command}")
     stale = [name for name in GOLDEN_FILE_NAMES if name not in fresh and os.path.lexists(folder / name)]
-    reports = []
-    for name, data in fresh.items():
-        path = folder / name
+    trailer = [f"{name}: golden file that this case no longer produces" for name in stale]
+    trailer += [f"{name}: not a golden file (remove it, or run pytest --sharding-update)" for name in _extras(folder)]
+    if not trailer and all(current[name] == data for name, data in fresh.items()):
+        return Outcome(label, folder, "match")  # equal bytes: nothing parsed
+    old_docs, new_docs, changes, broken = {}, {}, {}, []
+    for name, data in fresh.items():  # every document, for the memory of both sides
+        new_docs[name] = json.loads(data)
         if current[name] == data:
+            old_docs[name] = new_docs[name]
             continue
         try:
-            old = codec.read_document(path)
+            old_docs[name] = codec.read_document(folder / name)
         except BadInput as err:
-            reports.append(f"{name}: the golden file is not a valid golden document ({err})")
+            broken.append(f"{name}: the golden file is not a valid golden document ({err})")
             continue
-        changes = diff.diff_documents(old, json.loads(data))
-        reports.append(diff.format_diff(name, changes) if changes else
-                       f"{name}: same content, different bytes (not canonical JSON; rewrite it)")
-    reports += [f"{name}: golden file that this case no longer produces" for name in stale]
-    reports += [f"{name}: not a golden file (remove it, or run pytest --sharding-update)" for name in _extras(folder)]
-    if not reports:
-        return Outcome(label, folder, "match")
-    text = (f"{label}: the dump differs from the golden in {display(folder)}\n" + "\n".join(reports) +
-            f"\nIf the change is intended, update the golden with:\n    {command}")
-    return Outcome(label, folder, "differs", text)
+        changes[name] = diff.diff_documents(old_docs[name], new_docs[name])
+    head = [f"{label}: the dump differs from the golden in {display(folder)}"]
+    if changes:  # memory per device first: what a reviewer weighs before any tensor
+        head += memory.lines(memory.compare(old_docs, new_docs))
+    tail = ["If the change is intended, update the golden with:", f"    {command}"]
+
+    def report(max_lines: int | None) -> str:
+        lines = head + broken
+        fixed = len(lines) + len(trailer) + len(tail) + command.count("\n")
+        budget = None if max_lines is None else max_lines - fixed
+        for name, found in changes.items():
+            if not found:
+                lines.append(f"{name}: same content, different bytes (not canonical JSON; rewrite it)")
+                continue
+            mesh = new_docs[name].get("mesh", {})  # the full report writes specs as the goldens do
+            mesh_sizes = dict(zip(mesh.get("axis_names", ()), mesh.get("axis_sizes", ()))) if max_lines else None
+            text = diff.format_diff(name, found, budget, mesh_sizes)
+            lines += text.split("\n")
+            if budget is not None:
+                budget = max(budget - text.count("\n") - 1, 2)
+        return "\n".join(lines + trailer + tail)
+
+    return Outcome(label, folder, "differs", report(MAX_REPORT_LINES), full_report=report(None))
 
 
 def _normal_mode(path: Path) -> bool:

@@ -52,7 +52,7 @@ def markdown_rows(text):
     """{first cell: cells} of every body row of every markdown table in `text`."""
     rows = {}
     for line in text.splitlines():
-        if line.startswith("| ") and not line.startswith("| tensor ") and not line.startswith("| case "):
+        if line.startswith("| ") and not line.startswith(("| tensor ", "| case ", "| memory per device ")):
             cells = [c.strip() for c in line.strip("|").split(" | ")]
             rows[cells[0]] = cells
     return rows
@@ -63,11 +63,15 @@ def test_two_rules_markdown_names_tensors_specs_and_bytes(capsys, no_embed):
     assert main(["diff", str(old), str(no_embed), "--format", "markdown"]) == 1
     out = capsys.readouterr().out
     assert "21 tensors changed, 0 added, 0 removed" in out
-    assert "memory per device: params 3.1 GiB -> 24.2 GiB (+21.1 GiB)" in out
     rows = markdown_rows(out)
+    # memory per device first: in the summary, then every part before and after in the case's block
+    assert out.index("params/device") < out.index("| memory per device ") < out.index("| tensor ")
+    assert rows["params"] == ["params", "3.1 GiB", "24.2 GiB", "+21.1 GiB (+673%)"]
+    assert rows["activations"] == ["activations", "9.2 GiB", "9.2 GiB", "0"]
     assert rows["`params/decoder/layers/mlp/wi_0/kernel` (and opt_state/0/mu, opt_state/0/nu)"][1:] == [
         '`["fsdp",null,null]`', "`[null,null,null]`", "688.0 MiB", "5.4 GiB"]
-    assert len(rows) == 7 and not any("token_embedder" in name for name in rows)  # embed_vocab kept fsdp
+    tensors = [name for name in rows if name.startswith("`params/")]
+    assert len(tensors) == 7 and not any("token_embedder" in name for name in rows)  # embed_vocab kept fsdp
     assert "|---" in out or "|:--" in out  # a real table, ready to paste
 
 
@@ -192,9 +196,10 @@ def test_markdown_fits_a_github_comment_and_keeps_the_summary(tmp_path, capsys):
     old, new = copy_cases(tmp_path / "old", LONG_CASES), copy_cases(tmp_path / "new", LONG_CASES)
     differing = unshard_activation_batch(new)
     assert len(differing) == len(LONG_CASES)
-    assert main(["diff", str(old), str(new), "--format", "markdown", "--max-chars", "1000000"]) == 1
+    # --full: every activation by its own name, specs with every mesh axis (the long form to cut)
+    assert main(["diff", str(old), str(new), "--format", "markdown", "--max-chars", "1000000", "--full"]) == 1
     full = capsys.readouterr().out
-    assert main(["diff", str(old), str(new), "--format", "markdown"]) == 1
+    assert main(["diff", str(old), str(new), "--format", "markdown", "--full"]) == 1
     cut = capsys.readouterr().out
     # GitHub's limit for a comment is the default, filled up to the last row that fits
     assert len(full) > 65_536 >= len(cut) > 60_000
@@ -218,10 +223,12 @@ def test_markdown_of_a_rule_mutation_charts_memory_per_device(capsys, no_embed):
     assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "markdown"]) == 1
     out = capsys.readouterr().out
     chart = out.split("```mermaid\n", 1)[1].split("```", 1)[0]
-    assert chart.splitlines() == [
-        "xychart-beta", '    title "Memory per device, before and after"',
-        '    x-axis ["params before", "params after", "opt_state before", "opt_state after"]',
-        '    y-axis "GiB per device"', "    bar [3.14, 24.25, 6.28, 48.50]"]
+    assert chart.splitlines()[1:] == [
+        "xychart-beta horizontal", '    title "Memory per device, before (grey) and after (blue)"',
+        '    x-axis ["params before 3.1 GiB", "params after 24.2 GiB", "opt_state before 6.3 GiB", '
+        '"opt_state after 48.5 GiB", "activations before 9.2 GiB", "activations after 9.2 GiB"]',
+        '    y-axis "GiB per device, from 0" 0 --> 48.50',
+        "    bar [3.14, 0, 6.28, 0, 9.19, 0]", "    bar [0, 24.25, 0, 48.50, 0, 9.19]"]
     assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed)]) == 1
     assert "mermaid" not in capsys.readouterr().out  # a terminal gets the figures only
 

@@ -4,7 +4,7 @@ import json
 
 from helpers import REPO
 from sharding_dump.commands.cli import main
-from sharding_dump.commands.pictures import memory_chart, split_grid
+from sharding_dump.commands.pictures import memory_chart, memory_svg, split_grid
 
 CASE = ["--model", "llama2-7b", "--topology", "tpu7x-2048", "--rule", "default", "ici_fsdp_parallelism=-1",
         "ici_tensor_parallelism=8"]
@@ -64,7 +64,9 @@ def test_memory_chart_only_when_memory_moved():
     assert memory_chart({"params": (10, 10), "total": (10, 10)}) is None
     assert memory_chart({"params": (None, 10)}) is None
     chart = memory_chart({"params": (3 * 2**20, 2**20), "step": (4, 4), "total": (3 * 2**20 + 4, 2**20 + 4)})
-    assert '    y-axis "MiB per device"' in chart and "    bar [3.00, 1.00]" in chart and "step" not in chart
+    assert '    y-axis "MiB per device, from 0" 0 --> 3.00' in chart and "step" not in chart  # 4 bytes: not drawn
+    assert "    bar [3.00, 0]\n    bar [0, 1.00]" in chart  # before grey, after blue
+    assert '    x-axis ["params before 3.0 MiB", "params after 1.0 MiB"]' in chart
 
 
 def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):
@@ -77,3 +79,13 @@ def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):
     sizes = dict(zip(golden["mesh"]["axis_names"], golden["mesh"]["axis_sizes"]))
     assert capsys.readouterr().out == split_grid(act, entry["shape"], entry["dtype"], entry["logical_axes"],
                                                  entry["partition_spec"], sizes) + "\n"
+
+
+def test_part_names_of_any_text_stay_inside_the_chart_labels():
+    """A part of the user's state named with a quote, a line break or markup ends no mermaid label and
+    reaches the SVG as text."""
+    memory = {'a"b\nc': (2**20, 2**21), "<script>x<": (2**20, 2**20)}
+    chart = memory_chart(memory)
+    assert "\"a'b c before 1.0 MiB\", \"a'b c after 2.0 MiB\"" in chart and chart.count("\n") == 8
+    svg = memory_svg(memory)
+    assert "<script>" not in svg and "&lt;script&gt;x&lt; before" in svg

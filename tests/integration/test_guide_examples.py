@@ -48,7 +48,9 @@ def test_guide_pytest_test_passes_on_the_dumped_golden(tmp_path, monkeypatch, py
     rules.write_text(rules.read_text().replace("[mlp, tensor]", "[mlp, null]"))
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*params/block_0/up/kernel*"])
+    result.stdout.fnmatch_lines(["*params/block_0..3/up/kernel  (4 tensors, and opt_state/0/mu, opt_state/0/nu)"])
+    full = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-vv")  # every tensor by its own name
+    full.stdout.fnmatch_lines(["  params/block_2/up/kernel  (and opt_state/0/mu, opt_state/0/nu)"])
 
 
 def subsection(title: str) -> str:

@@ -622,8 +622,12 @@ def test_tensor_names_of_any_text_keep_the_markdown_and_html_reports_whole(user_
         assert cli.main(["--model", f"X=hostile_user:{function}", "--rule", "rules.yml", *SIZES, "--golden-dir", side]) == 0
     capsys.readouterr()
     assert cli.main(["diff", "--format", "markdown", "old", "new"]) == 1
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "->" not in line]
-    tensors = [row.split(" | ")[0].removeprefix("| ").rstrip() for row in rows[1:]]
+    out = capsys.readouterr().out
+    parts = out.split("\n| memory per device ")[1].split("\n\n")[0].splitlines()[2:]  # the parts are names too
+    assert [row.split(" | ")[0].removeprefix("| ").rstrip() for row in parts] == [
+        "activations", "`<script>x<`", "``a\\|b`c``", "`line\\nbreak`"], parts
+    rows = out.split("\n| tensor ")[1].split("\n\n")[0].splitlines()[2:]  # the tensor table's body
+    tensors = [row.split(" | ")[0].removeprefix("| ").rstrip() for row in rows]
     assert tensors == ["`<script>x</script>`", "``a\\|b`c``", "`line\\nbreak`"], rows
     assert all(row.count(" | ") == 4 and row.endswith(" |") for row in rows), rows
     assert cli.main(["diff", "--format", "html", "old", "new"]) == 1

@@ -160,7 +160,9 @@ def test_same_case_twice_and_either_order_same_bytes():
 
 
 def test_changed_activation_batch_rule_names_the_activations(tmp_path):
-    """A user's copy of default.yml with activation_batch unsharded fails with the activations named."""
+    """A user's copy of default.yml with activation_batch unsharded fails with the activations named,
+    after the memory per device, activations included, before and after; specs without the mesh
+    axes of size 1 (v5p-16 splits over fsdp only)."""
     rule = tmp_path / "default.yml"
     text = (REPO / "sharding_dump/rules/default.yml").read_text()
     line = "  - [activation_batch, [data, fsdp, fsdp_transpose, expert]]\n"
@@ -171,11 +173,16 @@ def test_changed_activation_batch_rule_names_the_activations(tmp_path):
     assert outcome.status == "differs"
     report = outcome.report
     assert "named_shardings.json" not in report and "logical_shardings.json" not in report
+    lines = report.splitlines()
+    assert lines[1].split() == ["memory", "per", "device", "golden", "now", "change"]
+    assert lines[2].split()[:5] == ["params", "3.1", "GiB", "3.1", "GiB"] and lines[2].endswith("  0")
+    assert lines[4].split() == ["activations", "9.2", "GiB", "37.2", "GiB", "+28.1", "GiB", "(+305%)"]
     assert "activation_shardings.json: 18 activations changed, 0 added, 0 removed" in report
     assert "  forward/decoder/layers/layer_input  (and backward)\n" in report
+    assert 'partition_spec    golden ["fsdp",null,null]  now [null,null,null]' in report
     assert ('partition_spec    golden [["data","fsdp","fsdp_transpose","expert"],'
             '["tensor_sequence","context","context_usp_ulysses"],"tensor"]  '
-            'now [null,["tensor_sequence","context","context_usp_ulysses"],"tensor"]') in report
+            'now [null,["tensor_sequence","context","context_usp_ulysses"],"tensor"]') in outcome.full_report
     assert "per_device_shape  golden [12,2048,4096]  now [96,2048,4096]" in report
     assert "forward/decoder/layers/self_attention/query" not in report  # activation_kv_batch: unchanged
 

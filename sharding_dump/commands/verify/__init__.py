@@ -35,6 +35,7 @@ import concurrent.futures
 import sys
 
 from sharding_dump.commands import options
+from sharding_dump.commands.progress import Progress
 from sharding_dump.commands.verify.render import render, render_case
 from sharding_dump.commands.verify.run import (
     check_tpu_available,
@@ -92,14 +93,17 @@ def run(args: argparse.Namespace) -> int:
     verified = (pool.map(lambda case: verify_case(case, settings), cases) if pool is not None else
                 (verify_case(case, settings) for case in cases))
     try:
-        for index, result in enumerate(verified, 1):
-            results.append(result)
-            prefix = f"[{index}/{len(cases)}] " if len(cases) > 1 else ""
-            if args.format == "text":
-                print(prefix + render_case(result, "text") + "\n", flush=True)
-            else:  # stdout is the report to paste or parse; progress goes to stderr
-                status = "FAILED" if result.failures else "ok"
-                print(f"{prefix}{result.label}: {status} ({result.wall_seconds:.1f}s)", file=sys.stderr, flush=True)
+        with Progress(len(cases), "verifying") as progress:  # on a terminal, a status line of the case compiling
+            progress.start(cases[0].label)
+            for index, result in enumerate(verified, 1):
+                results.append(result)
+                if args.format == "text":
+                    progress.finish(render_case(result, "text") + "\n", timed=False)
+                else:  # stdout is the report to paste or parse; progress goes to stderr
+                    status = "FAILED" if result.failures else "ok"
+                    progress.finish(f"{result.label}: {status} ({result.wall_seconds:.1f}s)", sys.stderr, timed=False)
+                if index < len(cases):
+                    progress.start(cases[index].label)
     except BaseException:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from sharding_dump.commands.tables import format_bytes
+from sharding_dump.golden.sizes import format_bytes
 from sharding_dump.commands.verify.hlo import COLLECTIVES
 from sharding_dump.commands.verify.result import CaseResult
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sharding_dump.commands.tables import format_bytes
+from sharding_dump.golden.sizes import format_bytes
 from sharding_dump.commands.verify.hlo import Replicated, Traffic
 from sharding_dump.commands.verify.xla_log import Remat
 

@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from sharding_dump.commands import tables
+from sharding_dump.golden.sizes import parse_bytes
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, load_yaml
 
@@ -48,8 +48,8 @@ def stack_axes() -> tuple[str, ...]:
 
 
 def parse_size(text: str, what: str = "--replicated-threshold") -> int:
-    """`256MiB`, `1.5 GiB`, `1000000` -> bytes (:func:`sharding_dump.commands.tables.parse_bytes`)."""
-    return tables.parse_bytes(text, what)
+    """`256MiB`, `1.5 GiB`, `1000000` -> bytes (:func:`sharding_dump.golden.sizes.parse_bytes`)."""
+    return parse_bytes(text, what)
 
 
 @functools.cache
