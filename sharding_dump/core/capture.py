@@ -163,8 +163,10 @@ def _module_scope_name(path: Sequence[Any]) -> str:
 
 
 def _module_scope(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    """Runs a linen module method under a named scope holding the module's path."""
-    if _CURRENT.get() is None:
+    """Runs a linen module method under a named scope holding the module's path. A method called on an
+    unbound module (no scope, so no path: a helper of the model called outside `apply`, as Kauldron's
+    training step does) runs in the scope of its caller."""
+    if _CURRENT.get() is None or context.module.scope is None:
         return next_fun(*args, **kwargs)
     with jax.named_scope(_module_scope_name(context.module.path)):
         return next_fun(*args, **kwargs)
