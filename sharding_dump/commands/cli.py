@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from sharding_dump.commands.options import Parser
 from sharding_dump.core.gc_policy import fewer_collections
@@ -153,10 +153,19 @@ def version() -> str:
 
 
 class _Stdout:
-    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput."""
+    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput. The
+    rest of the file API (isatty, fileno, encoding, buffer, ...) is the stream's own: a user's program
+    may ask it (tqdm_loggable asks `sys.stdout.isatty()` when it is imported)."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.__dict__["stream"], name)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
 
     def _fail(self, err: OSError | None) -> BadInput:
         from sharding_dump.errors import os_error
