@@ -117,7 +117,8 @@ def run(argv: Sequence[str]) -> int:
     """Parses `argv` and runs its command; BadInput on bad input."""
     word_given = bool(argv) and argv[0] in COMMANDS
     name = argv[0] if word_given else DEFAULT
-    args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
+    # KEY=VALUE settings anywhere among the options (`--golden-dir DIR shard_mode=explicit` too)
+    args = _parser(name, word_given).parse_intermixed_args(argv[1:] if word_given else argv)
     from sharding_dump.commands.options import time_limit_of
 
     with time_limit_of(getattr(args, "time_limit", None), hasattr(args, "time_limit")):
