@@ -30,8 +30,6 @@ import math
 import time
 from typing import Any, Iterable
 
-import jax.numpy as jnp
-
 from sharding_dump import models
 from sharding_dump.commands import options, tables
 from sharding_dump.core import specs
@@ -283,7 +281,7 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
 
 
 def _global_bytes(layout: TensorLayout) -> int:
-    return math.prod(layout.shape) * jnp.dtype(layout.dtype).itemsize
+    return math.prod(layout.shape) * specs.itemsize(layout.dtype)
 
 
 def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: float) -> list[Finding]:

@@ -128,6 +128,15 @@ def unbox(state: Any) -> Any:
     return jax.tree.map(lambda x: x.value if is_box(x) else x, state, is_leaf=is_box)
 
 
+def dtype_name(dtype: Any) -> str:
+    """The name a golden gives a leaf's dtype: numpy's (`float32`, `bfloat16`), or JAX's for an extended
+    dtype (a typed PRNG key, `jax.random.key`: `key<fry>`), whose bytes are those of its underlying data."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        specs.note_itemsize(str(dtype), int(dtype.itemsize))
+        return str(dtype)
+    return jax.numpy.dtype(dtype).name
+
+
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
                 transform: SpecTransform | None = None, spec: Sequence[Any] | None = None,
                 source: str = "none") -> TensorLayout:
@@ -138,7 +147,7 @@ def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh:
     if transform is not None:
         spec = transform(path, shape, spec)
     spec = NamedSharding(mesh, spec).spec  # the spec exactly as a NamedSharding on this mesh holds it
-    return TensorLayout(path, shape, jax.numpy.dtype(array.dtype).name, tuple(logical_axes), spec,
+    return TensorLayout(path, shape, dtype_name(array.dtype), tuple(logical_axes), spec,
                         mesh_sizes(mesh), source)
 
 
@@ -262,7 +271,7 @@ def typed_layouts(state: Any, sizes: Mapping[str, int], rules: Any = None) -> li
         source = source_of(leaf) if any(n is not None for n in logical) else \
             "none" if not any(e is not None for e in spec) else \
             "regex" if parameter and match_path_rule(path_rules, parameter) is not None else "type"
-        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical,
+        out.append(TensorLayout(path, tuple(array.shape), dtype_name(array.dtype), logical,
                                 spec, dict(sizes), source))
     return sorted(out, key=lambda t: t.path)
 

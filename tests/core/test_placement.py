@@ -293,6 +293,48 @@ def test_any_top_level_names_and_a_mesh_only_rule_file(fresh, tmp_path):
     assert doc["tensors"]["weights/w"]["partition_spec"] == ["fsdp", None]
 
 
+KEYS_PROGRAM = '''
+import jax, jax.numpy as jnp
+import sharding_dump as sd
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def program():
+    def init(key):  # Levanter's way: a training key split from the one it is given, kept in the state
+        mesh = jax.sharding.get_abstract_mesh()
+        params_key, training_key = jax.random.split(key)
+        per_row = jax.jit(lambda k: jax.random.split(k, 8), out_shardings=NamedSharding(mesh, P("fsdp")))(key)
+        return {"params": {"w": jax.random.normal(params_key, (64, 32))}, "training_key": training_key,
+                "row_keys": per_row}
+
+    def train_step(state, batch):
+        training_key, dropout = jax.random.split(state["training_key"])
+        w = state["params"]["w"] * jax.random.bernoulli(dropout, 0.9, (64, 32))
+        return {**state, "params": {"w": w}, "training_key": training_key}, {}
+
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()})
+'''
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_typed_prng_keys_in_the_state_dump_as_keys(fresh, tmp_path, mode):
+    """A typed PRNG key in the state (`jax.random.key`, an extended dtype) is a leaf of dtype `key<fry>`,
+    its shape the key array's, its bytes those of its key data (2 uint32 per threefry key), placed as the
+    program placed it (mutation: `jax.numpy.dtype(dtype).name` for it in layout.dtype_name, and the dump
+    fails with `TypeError: Cannot interpret 'key<fry>' as a data type`)."""
+    (tmp_path / "keyed.py").write_text(KEYS_PROGRAM)
+    (tmp_path / "mesh.yml").write_text("mesh_axes: [fsdp]\n")
+    fresh.syspath_prepend(str(tmp_path))
+    assert cli.main(["--model", "keyed:program", "--topology", "cpu-4", "--rule", str(tmp_path / "mesh.yml"),
+                     "ici_fsdp_parallelism=4", "per_device_batch_size=1", "max_target_length=16", f"shard_mode={mode}",
+                     "--output-dir", str(tmp_path / "out")]) == 0
+    (named,) = (tmp_path / "out").rglob("named_shardings.json")
+    tensors = json.loads(named.read_text())["tensors"]
+    assert {path: (e["dtype"], e["shape"], e["partition_spec"], e["per_device_bytes"]) for path, e in tensors.items()
+            if path != "params/w"} == {"training_key": ("key<fry>", [], [], 8),
+                                       "row_keys": ("key<fry>", [8], ["fsdp"], 2 * 8)}
+
+
 # --- Hugging Face Flax models as users hold them --------------------------------------------------------
 
 HF = ("examples.hf_llama:small_llama", "cpu-8", "examples/hf_llama_rules.yml",
