@@ -189,6 +189,8 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
     _check_name(name)
     if explicit_mesh():
         return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))), name, axes)
+    if not nn.get_logical_axis_rules():  # flax places nothing without rules: no constraint to note, none lost
+        return x
     return _named(lambda: nn.with_logical_constraint(x, axes), name, axes)
 
 
