@@ -239,8 +239,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
                 logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims) if param_logical else ()
                 if param_spec is not None:
                     spec = tuple(param_spec[d] if d is not None else None for d in leaf.dims)
-                placed_any = any(n is not None for n in logical) or any(e is not None for e in spec or ())
-                source = param_source if placed_any else "none"
+                source = param_source  # the weight's, replicated by its program's own say too
         elif path.startswith(prefix):
             logical, spec, source = placed[path[len(prefix):]]
         else:
