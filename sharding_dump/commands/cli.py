@@ -40,11 +40,11 @@ from sharding_dump.errors import BadInput, UnevenSplitWarning, one_line
 
 # The command needs no accelerator and must give the same bytes whatever JAX's environment says
 # (JAX_PLATFORMS=cuda on a machine without GPUs, JAX_NUMPY_DTYPE_PROMOTION=strict, ... would crash it):
-# these JAX options are forced before any backend starts, and XLA_FLAGS (flags for compiling, which
-# the command never does; an unknown one aborts the process) is dropped.
+# these JAX options are forced before any backend starts. XLA_FLAGS stays the user's: no dump starts a
+# backend, and a program that does (a mesh built from jax.devices()) gets the case's device count as CPU
+# devices on top of them (options.give_cpu_devices).
 JAX_OPTIONS = {"jax_platforms": "cpu", "jax_enable_x64": False, "jax_numpy_dtype_promotion": "standard",
                "jax_disable_jit": False}
-DROPPED_ENVIRONMENT = ("XLA_FLAGS",)
 
 
 def _force_jax_options() -> None:
@@ -52,8 +52,6 @@ def _force_jax_options() -> None:
     `diff`, never imports it); applied to jax's config too when it is imported already."""
     for name, value in JAX_OPTIONS.items():
         os.environ[name.upper()] = str(value).lower() if isinstance(value, bool) else value
-    for name in DROPPED_ENVIRONMENT:
-        os.environ.pop(name, None)
     if "jax" in sys.modules:
         import jax
 
@@ -218,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     whole_process = argv is None  # the command itself (not a call from Python code in a larger program)
     argv = list(sys.argv[1:] if argv is None else argv)
+    xla_flags = os.environ.get("XLA_FLAGS")  # the user's, given back when a call from Python code returns
     _force_jax_options()
     warnings.simplefilter("always", UnevenSplitWarning)
     shown_before = warnings.showwarning
@@ -243,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _exit_now(INTERRUPTED, stdout)
         return INTERRUPTED
     finally:
+        if xla_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = xla_flags
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         warnings.showwarning = shown_before
