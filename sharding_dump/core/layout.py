@@ -233,7 +233,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         if isinstance(leaf, Slot):
             logical, spec, source = own(path, leaf)
             param_logical, param_spec, param_source = placed.get(leaf.parameter, (None, None, "none"))
-            if source != "none":
+            if source == "type" or (source == "box" and param_spec is None):
                 source = param_source if source == "box" else source
             elif param_logical or param_spec is not None:  # placed by a path rule or by its type
                 logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims) if param_logical else ()
