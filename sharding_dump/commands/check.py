@@ -5,7 +5,9 @@
 - unknown-name: a rule for a logical axis that no tensor of any model carries and that the trainer does
   not define either (`data/lint.yml`), usually a typo; a user's factory model is judged against its own
   weights and activations only;
-- unplaced: parameters with no logical axes that no partition rule matches (whole on every device);
+- unplaced: parameters with no logical axes that no partition rule matches, and other state leaves that
+  nothing places (no box, partition rule, weight followed or sharding of the program's own): whole on
+  every device;
 - partition-rule: a partition rule whose regex matches no parameter path;
 - rank: a parameter with more or fewer logical axes than dimensions;
 - no-rule: in a user's model, a dimension named by a logical axis that has no rule at all (whole on
@@ -31,8 +33,6 @@ import dataclasses
 import functools
 import math
 from typing import Any, Iterable
-
-import jax.numpy as jnp
 
 from sharding_dump import models
 from sharding_dump.commands import options
@@ -244,15 +244,22 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
     by_path = {t.path: t for t in layouts}
     findings = []
     unplaced = rules.unplaced_parameters(rule_set, _leaves(layouts), {t.path for t in layouts if t.source == "type"})
-    if unplaced:
-        ordered = sorted(unplaced, key=lambda p: (-_global_bytes(by_path[p]), p))
+    others = rules.unplaced_state(_leaves(layouts), {t.path for t in layouts if t.source == "none"}, unplaced)
+    for paths, title, nouns, what in (
+            (unplaced, "parameters placed by nothing", ("parameter", "parameters"),
+             f"carry no logical axes and match no partition rule of {display(rule_set.path)}"),
+            (others, "state leaves placed by nothing", ("state leaf", "state leaves"),
+             "outside params carry no logical axes, match no partition rule, follow no weight and were not placed "
+             "by the program")):
+        if not paths:
+            continue
+        ordered = sorted(paths, key=lambda p: (-_global_bytes(by_path[p]), p))
         listed = [(by_path[p], _global_bytes(by_path[p]), "") for p in ordered[:TOP_TENSORS]]
         rest = ordered[TOP_TENSORS:]
-        findings.append(Finding(
-            "unplaced", "parameters placed by nothing",
-            f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and match no "
-            f"partition rule of {display(rule_set.path)}: each is whole on every device",
-            _tensor_details(rule_set, listed, len(rest), sum(_global_bytes(by_path[p]) for p in rest), "parameters")))
+        findings.append(Finding("unplaced", title, f"{len(paths)} {nouns[len(paths) > 1]} {what}: each is whole on "
+                                                   "every device",
+                                _tensor_details(rule_set, listed, len(rest),
+                                                sum(_global_bytes(by_path[p]) for p in rest), nouns[1])))
     for rule in rules.unmatched_partition_rules(rule_set, _leaves(layouts)):
         findings.append(Finding("partition-rule", f"partition rule {rule.pattern!r}",
                                 f"matches no parameter path of model {setup.case.model_ref.label} (a typo?)",
@@ -287,7 +294,7 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
 
 
 def _global_bytes(layout: TensorLayout) -> int:
-    return math.prod(layout.shape) * jnp.dtype(layout.dtype).itemsize
+    return math.prod(layout.shape) * specs.itemsize(layout.dtype)
 
 
 def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: float) -> list[Finding]:

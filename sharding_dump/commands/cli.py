@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from sharding_dump.commands.options import Parser
 from sharding_dump.core.gc_policy import fewer_collections
@@ -40,11 +40,11 @@ from sharding_dump.errors import BadInput, UnevenSplitWarning, one_line
 
 # The command needs no accelerator and must give the same bytes whatever JAX's environment says
 # (JAX_PLATFORMS=cuda on a machine without GPUs, JAX_NUMPY_DTYPE_PROMOTION=strict, ... would crash it):
-# these JAX options are forced before any backend starts, and XLA_FLAGS (flags for compiling, which
-# the command never does; an unknown one aborts the process) is dropped.
+# these JAX options are forced before any backend starts. XLA_FLAGS stays the user's: no dump starts a
+# backend, and a program that does (a mesh built from jax.devices()) gets the case's device count as CPU
+# devices on top of them (options.give_cpu_devices).
 JAX_OPTIONS = {"jax_platforms": "cpu", "jax_enable_x64": False, "jax_numpy_dtype_promotion": "standard",
                "jax_disable_jit": False}
-DROPPED_ENVIRONMENT = ("XLA_FLAGS",)
 
 
 def _force_jax_options() -> None:
@@ -52,8 +52,6 @@ def _force_jax_options() -> None:
     `diff`, never imports it); applied to jax's config too when it is imported already."""
     for name, value in JAX_OPTIONS.items():
         os.environ[name.upper()] = str(value).lower() if isinstance(value, bool) else value
-    for name in DROPPED_ENVIRONMENT:
-        os.environ.pop(name, None)
     if "jax" in sys.modules:
         import jax
 
@@ -117,7 +115,8 @@ def run(argv: Sequence[str]) -> int:
     """Parses `argv` and runs its command; BadInput on bad input."""
     word_given = bool(argv) and argv[0] in COMMANDS
     name = argv[0] if word_given else DEFAULT
-    args = _parser(name, word_given).parse_args(argv[1:] if word_given else argv)
+    # KEY=VALUE settings anywhere among the options (`--golden-dir DIR shard_mode=explicit` too)
+    args = _parser(name, word_given).parse_intermixed_args(argv[1:] if word_given else argv)
     from sharding_dump.commands.options import time_limit_of
 
     try:
@@ -160,10 +159,19 @@ def version() -> str:
 
 
 class _Stdout:
-    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput."""
+    """Standard output that turns a failed write (closed, /dev/full, a reader gone) into BadInput. The
+    rest of the file API (isatty, fileno, encoding, buffer, ...) is the stream's own: a user's program
+    may ask it (tqdm_loggable asks `sys.stdout.isatty()` when it is imported)."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.__dict__["stream"], name)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
 
     def _fail(self, err: OSError | None) -> BadInput:
         from sharding_dump.errors import os_error
@@ -215,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     whole_process = argv is None  # the command itself (not a call from Python code in a larger program)
     argv = list(sys.argv[1:] if argv is None else argv)
+    xla_flags = os.environ.get("XLA_FLAGS")  # the user's, given back when a call from Python code returns
     _force_jax_options()
     warnings.simplefilter("always", UnevenSplitWarning)
     shown_before = warnings.showwarning
@@ -240,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _exit_now(INTERRUPTED, stdout)
         return INTERRUPTED
     finally:
+        if xla_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = xla_flags
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         warnings.showwarning = shown_before

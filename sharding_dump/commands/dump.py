@@ -165,6 +165,7 @@ def _use_warnings(case: Case, folder: Path) -> list[str]:
     from sharding_dump.zoo.dump import batch_fields, case_layouts
 
     docs = {path.name: codec.read_document(path) for path in sorted(folder.glob("*.json"))}
-    placed = {t.path for t in case_layouts(case)[1] if t.source == "type"} if case.model_ref.kind == "factory" else ()
+    layouts = case_layouts(case)[1] if case.model_ref.kind == "factory" else []
     return rules.use_warnings(rules.load_rule(case.rule), docs, check.lint_settings().known_logical_axes,
-                              batch_fields(case), placed)
+                              batch_fields(case), {t.path for t in layouts if t.source == "type"},
+                              {t.path for t in layouts if t.source == "none"})

@@ -16,6 +16,7 @@ sharding_dump.errors.BadInput: argument --num-slices: 'two' is not a whole numbe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, ContextManager
 
@@ -178,6 +179,7 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
                            1 if args.num_slices is None else args.num_slices, overrides, project=False)]
     for case in cases:
+        give_cpu_devices(case)
         setup_case(case)
     return cases
 
@@ -190,6 +192,27 @@ def _layout_neutral(assignments: dict[str, str]) -> tuple[dict[str, str], list[s
     from sharding_dump.zoo import maxtext_config
 
     return maxtext_config.layout_neutral(assignments)
+
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(flags: str, cpu_devices: int | None) -> str:
+    """`flags` (an XLA_FLAGS value) with its CPU device count replaced by `cpu_devices` (none: left out);
+    every other flag kept as given."""
+    kept = [flag for flag in flags.split() if not flag.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={cpu_devices}"] * (cpu_devices is not None))
+
+
+def give_cpu_devices(case: Case) -> None:
+    """The case's device count as CPU devices, after the user's own XLA_FLAGS, for a program that builds
+    its concrete mesh from `jax.devices()` (Levanter's trainer does): XLA reads it when the CPU backend
+    starts, which no dump does itself (so the count costs nothing otherwise); once a backend runs, its
+    devices stay what they are."""
+    from sharding_dump.zoo.topology import load_topology
+
+    devices = load_topology(case.topology, case.num_slices).num_devices
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:

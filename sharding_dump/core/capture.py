@@ -163,8 +163,10 @@ def _module_scope_name(path: Sequence[Any]) -> str:
 
 
 def _module_scope(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    """Runs a linen module method under a named scope holding the module's path."""
-    if _CURRENT.get() is None:
+    """Runs a linen module method under a named scope holding the module's path. A method called on an
+    unbound module (no scope, so no path: a helper of the model called outside `apply`, as Kauldron's
+    training step does) runs in the scope of its caller."""
+    if _CURRENT.get() is None or context.module.scope is None:
         return next_fun(*args, **kwargs)
     with jax.named_scope(_module_scope_name(context.module.path)):
         return next_fun(*args, **kwargs)
@@ -187,6 +189,8 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
     _check_name(name)
     if explicit_mesh():
         return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))), name, axes)
+    if not nn.get_logical_axis_rules():  # flax places nothing without rules: no constraint to note, none lost
+        return x
     return _named(lambda: nn.with_logical_constraint(x, axes), name, axes)
 
 

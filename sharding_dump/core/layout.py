@@ -105,6 +105,15 @@ def leaves(state: Any) -> list[tuple[str, Any, LogicalAxes]]:
     return sorted(out, key=lambda item: item[0])
 
 
+def dtype_name(dtype: Any) -> str:
+    """The name a golden gives a leaf's dtype: numpy's (`float32`, `bfloat16`), or JAX's for an extended
+    dtype (a typed PRNG key, `jax.random.key`: `key<fry>`), whose bytes are those of its underlying data."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        specs.note_itemsize(str(dtype), int(dtype.itemsize))
+        return str(dtype)
+    return jax.numpy.dtype(dtype).name
+
+
 def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh: Any, rules: Any,
                 transform: SpecTransform | None = None, spec: Sequence[Any] | None = None,
                 source: str = "none") -> TensorLayout:
@@ -115,7 +124,7 @@ def leaf_layout(path: str, array: Any, logical_axes: Sequence[str | None], mesh:
     if transform is not None:
         spec = transform(path, shape, spec)
     spec = NamedSharding(mesh, spec).spec  # the spec exactly as a NamedSharding on this mesh holds it
-    return TensorLayout(path, shape, jax.numpy.dtype(array.dtype).name, tuple(logical_axes), spec,
+    return TensorLayout(path, shape, dtype_name(array.dtype), tuple(logical_axes), spec,
                         mesh_sizes(mesh), source)
 
 
@@ -201,14 +210,13 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
         if isinstance(leaf, Slot):
             logical, spec, source = own(path, leaf)
             param_logical, param_spec, param_source = placed.get(leaf.parameter, (None, None, "none"))
-            if source != "none":
+            if source == "type" or (source == "box" and param_spec is None):
                 source = param_source if source == "box" else source
             elif param_logical or param_spec is not None:  # placed by a path rule or by its type
                 logical = tuple(param_logical[d] if d is not None else None for d in leaf.dims) if param_logical else ()
                 if param_spec is not None:
                     spec = tuple(param_spec[d] if d is not None else None for d in leaf.dims)
-                placed_any = any(n is not None for n in logical) or any(e is not None for e in spec or ())
-                source = param_source if placed_any else "none"
+                source = param_source  # the weight's, replicated by its program's own say too
         elif path.startswith(prefix):
             logical, spec, source = placed[path[len(prefix):]]
         else:
@@ -239,7 +247,7 @@ def typed_layouts(state: Any, sizes: Mapping[str, int], rules: Any = None) -> li
         source = source_of(leaf) if any(n is not None for n in logical) else \
             "none" if not any(e is not None for e in spec) else \
             "regex" if parameter and match_path_rule(path_rules, parameter) is not None else "type"
-        out.append(TensorLayout(path, tuple(array.shape), jax.numpy.dtype(array.dtype).name, logical,
+        out.append(TensorLayout(path, tuple(array.shape), dtype_name(array.dtype), logical,
                                 spec, dict(sizes), source))
     return sorted(out, key=lambda t: t.path)
 

@@ -70,6 +70,29 @@ def declared_specs(closed: Any) -> list[PartitionSpec | None]:
     return out
 
 
+def _named_array(node: Any) -> bool:
+    """A named array (haliax's `NamedArray`): an `array` and its `axis_names`, one name per dimension."""
+    names, array = getattr(node, "axis_names", None), getattr(node, "array", None)
+    return (isinstance(names, tuple) and all(isinstance(name, str) for name in names)
+            and len(names) == len(getattr(array, "shape", (None,) * (len(names) + 1))))
+
+
+def box_named_arrays(state: Any) -> Any:
+    """The state with the array of every named array boxed with its axis names, at the array's own
+    path: a program's named axes are logical axes (the rule file's logical rules place the array where
+    the program did not place it itself)."""
+
+    def box(node: Any) -> Any:
+        if not _named_array(node):
+            return node
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)
+        if len(children) != 1:  # the array is the node's one child (its names are static)
+            return node
+        return treedef.unflatten([nn.Partitioned(children[0], names=tuple(node.axis_names))])
+
+    return jax.tree.map(box, state, is_leaf=lambda node: _named_array(node) or isinstance(node, nn.Partitioned))
+
+
 def placed_outputs(shapes: Any, specs: list[PartitionSpec | None], mesh: Any) -> tuple[Any, dict[str, PartitionSpec]]:
     """The abstract outputs of init (a pytree of ShapeDtypeStructs) with each declared spec in its
     leaf's type, as a trainer's state holds it after its jitted init, and {leaf path: declared spec}

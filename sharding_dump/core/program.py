@@ -648,7 +648,7 @@ def check_step_output(name: str, state: Any, new_state: Any, metrics: Any) -> No
         path = path_text(key) or "(the state)"
         if not (hasattr(new, "shape") and hasattr(new, "dtype")):
             raise ProgramError(f"{what} {describe(new)} at {path}, not an array; {expects}")
-        if tuple(new.shape) != tuple(old.shape) or jnp.dtype(new.dtype) != jnp.dtype(old.dtype):
+        if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:  # a PRNG key's too
             raise ProgramError(f"{what} {describe(new)} at {path}, where the state it was given holds "
                                f"{describe(old)}; {expects}")
     for key, leaf in jax.tree_util.tree_leaves_with_path(metrics):

@@ -65,7 +65,16 @@ def shards(spec: Sequence[Any] | None, dim: int, sizes: Mapping[str, int]) -> in
 
 
 _BITS = re.compile(r"(\d+)")
-_ITEMSIZE = {"bool": 1}
+# Bytes per element of the dtypes whose name holds no bit width: bool, and JAX's typed PRNG keys (an
+# extended dtype: the bytes of each key's uint32 data, threefry's 2 words, rbg's and unsafe_rbg's 4).
+# Any other extended dtype a layout meets is noted by :func:`note_itemsize`.
+_ITEMSIZE = {"bool": 1, "key<fry>": 8, "key<rbg>": 16, "key<urbg>": 16}
+
+
+def note_itemsize(dtype: str, size: int) -> None:
+    """Bytes per element of an extended dtype's name (a PRNG implementation of the program's own, ...),
+    from the dtype itself, so the dtype's name sizes it here as numpy's names size theirs."""
+    _ITEMSIZE.setdefault(dtype, size)
 
 
 def itemsize(dtype: str) -> int:

@@ -26,7 +26,7 @@ from sharding_dump.core.handback import HandBack, check_mesh, demanded, hand_bac
 from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
-from sharding_dump.core.placement import box_params_axes, placed
+from sharding_dump.core.placement import box_named_arrays, box_params_axes, placed
 from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
 from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
@@ -213,7 +213,7 @@ def layout_view(setup: CaseSetup, train_state: Any) -> Any:
     parameter, as the harness derives its own."""
     view = boxed_view(train_state)
     if _own_init(setup):
-        view = state_with_slots(box_params_axes(view))
+        view = state_with_slots(box_params_axes(box_named_arrays(view)))
     return view
 
 

@@ -24,6 +24,7 @@ from sharding_dump.core.boundary import bounded_regexes, bounded_search
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
 from sharding_dump.errors import BadInput, shown
+from sharding_dump.golden.diff import slot_parameter
 from sharding_dump.golden.engine import display
 from sharding_dump.resources import (RULES_DIR, YAML_MAX_BYTES, item_lines, parse_yaml, read_text, validate,
                                      yaml_item_lines)
@@ -257,6 +258,16 @@ def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Conta
             and path not in placed and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
 
 
+def unplaced_state(leaves: Iterable[Leaf], none: Container[str], unplaced: Container[str] = ()) -> list[str]:
+    """State leaves outside the parameters, of more than one element, that nothing places (`none`: the
+    paths whose layout's source is `none`: no box, partition rule or sharding of the program's own, nor
+    a weight they follow), each whole on every device; an optimizer slot of an `unplaced` parameter is
+    left to that parameter's line."""
+    return [path for path, shape, _ in leaves
+            if not path.startswith(PARAMS) and math.prod(shape) > 1 and path in none
+            and slot_parameter(path, unplaced) is None]
+
+
 def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[PathRule]:
     """Partition rules whose regex is found in no parameter path of the model (a typo, or a rule file
     written for another model)."""
@@ -295,12 +306,14 @@ def _examples(paths: Sequence[str], limit: int = 3) -> str:
 
 
 def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known: Iterable[str] = (),
-                 batch_fields: Iterable[str] | None = None, placed: Container[str] = ()) -> list[str]:
+                 batch_fields: Iterable[str] | None = None, placed: Container[str] = (),
+                 none: Container[str] = ()) -> list[str]:
     """Why a dump that worked may still not be what was meant, from its golden documents: rules that
     shard nothing on a mesh of more than one device, and logical names in the rule file that no
     tensor or activation of the dump carries (nor `known`: names a trainer defines for other models).
     A rule file written for other logical names dumps everything replicated without an error.
-    `placed`: the paths of leaves the program placed itself (never "placed by nothing")."""
+    `placed`: the paths of leaves the program placed itself (never "placed by nothing"); `none`: the paths
+    of leaves nothing placed (a user's program: an optimizer state its init left unplaced)."""
     named = docs[NAMED_FILE]
     sizes = dict(zip(named["mesh"]["axis_names"], named["mesh"]["axis_sizes"]))
     tensors = [entry for doc in docs.values() for entry in doc["tensors"].values()]
@@ -330,6 +343,12 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         warnings.append(f"{len(unplaced)} parameter{'s' if len(unplaced) > 1 else ''} carry no logical axes and "
                         f"match no partition rule of {rule_set.path}, so each is whole on every device: "
                         f"{_examples(unplaced)}")
+    others = unplaced_state(state, none, unplaced)
+    if others and math.prod(sizes.values()) > 1:
+        many = len(others) > 1
+        warnings.append(f"{len(others)} state {'leaves' if many else 'leaf'} outside params {'are' if many else 'is'} "
+                        "placed by nothing (no logical axes, partition rule or sharding of the program's own, nor a "
+                        f"weight followed), so each is whole on every device: {_examples(others)}")
     for rule in unmatched_partition_rules(rule_set, state):
         warnings.append(f"partition rule {rule.where} ({rule.pattern!r}) matches no parameter path of this model")
     for rule, first, path in shadowed_partition_rules(rule_set, state):

@@ -241,6 +241,86 @@ def test_bad_input(args, message, capsys):
     assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
+# Kauldron's way: a flax struct train state, the weights placed by init's own jit, the optimizer state made
+# outside it: no box, no rule, no sharding of its own, and no weight it follows (mapping states only).
+OWN_INIT = """
+import flax, jax, jax.numpy as jnp, optax
+import sharding_dump as sd
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+TX = optax.adamw(1e-3)
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+
+
+def _params(key):
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.jit(lambda k: {"w": jax.random.normal(k, (64, 32)), "b": jnp.zeros((32,))},
+                   out_shardings={"w": NamedSharding(mesh, P("fsdp")), "b": NamedSharding(mesh, P())})(key)
+
+
+def _updated(params, opt_state, batch):
+    grads = jax.grad(lambda p: (jnp.take(p["w"], batch["inputs"], axis=0) ** 2).sum() + p["b"].sum())(params)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def program():
+    def init(key):
+        params = _params(key)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=TX.init(params))
+
+    def train_step(state, batch):
+        params, opt_state = _updated(state.params, state.opt_state, batch)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), {}
+
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()})
+
+
+def mapping_program():
+    def init(key):
+        params = _params(key)
+        return {"params": params, "opt_state": TX.init(params)}
+
+    def train_step(state, batch):
+        params, opt_state = _updated(state["params"], state["opt_state"], batch)
+        return {"params": params, "opt_state": opt_state}, {}
+
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()})
+"""
+
+
+def test_state_leaves_placed_by_nothing_are_warned_about_and_listed(tmp_path, capsys, monkeypatch):
+    """docs/program-placement.md: a leaf placed by `none` is whole on every device, the dump warns and
+    check lists it, optimizer leaves too (mutation: `unplaced_state` returning [], and neither the
+    warning nor the finding is there: the dump was silent about them). In a mapping state the slots
+    follow their weights, the one the program replicated itself too (mutation: a slot whose weight's
+    spec splits nothing placed by `none` in layout.tensor_layouts, as before, and check lists
+    opt_state/0/mu/b)."""
+    (tmp_path / "own_init.py").write_text(OWN_INIT)
+    (tmp_path / "mesh.yml").write_text("mesh_axes: [fsdp]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    case = ["--topology", "cpu-4", "--rule", "mesh.yml", "ici_fsdp_parallelism=4", "per_device_batch_size=1",
+            "max_target_length=16"]
+    assert main(["--model", "own_init:program", *case, "--golden-dir", "out"]) == 0
+    assert ": 4 state leaves outside params are placed by nothing (no logical axes, partition rule or sharding of " \
+           "the program's own, nor a weight followed), so each is whole on every device: opt_state/0/mu/b, " \
+           "opt_state/0/mu/w, opt_state/0/nu/b and 1 more\n" in capsys.readouterr().err
+    assert main(["check", "--model", "own_init:program", *case]) == 1
+    out = capsys.readouterr().out
+    assert "[unplaced] state leaves placed by nothing\n      4 state leaves outside params" in out, out
+    assert [line.strip() for line in out.splitlines()[-4:]] == [
+        "opt_state/0/mu/w  8.0 KiB", "opt_state/0/nu/w  8.0 KiB", "opt_state/0/mu/b  128 Bytes",
+        "opt_state/0/nu/b  128 Bytes"]
+    assert main(["check", "--model", "own_init:mapping_program", *case]) == 0, capsys.readouterr().out
+
+
 def test_show_prints_every_leaf_and_the_totals(capsys):
     assert main(["show", "--model", "llama2-7b", "--topology", "v5p-16", "--rule", "pure-fsdp"]) == 0
     out = capsys.readouterr().out

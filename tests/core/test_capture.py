@@ -129,6 +129,25 @@ def test_linen_placements_keyed_by_module_path():
     assert keys == [f"{p}/{m}/dot_general-TypedBlock.__call__-L3" for p in ("backward", "forward") for m in ("gate", "up")]
 
 
+class ModelWithHelper(TypedModel):
+    def prepare(self, x):  # a method of the model the step calls on the unbound module, outside `apply`
+        return reshard(x, P(None, "model"))
+
+
+def test_a_method_called_on_an_unbound_module_is_keyed_by_its_caller():
+    """A step may call a method of its unbound model (Kauldron's does): it has no module path, so its
+    placements go under its caller's (mutation: read `context.module.path` for it too, and the trace
+    fails with flax's `Can't access module paths on unbound modules`)."""
+    model, x = ModelWithHelper(), typed((8, 4), P("data", None))
+    key = jax.eval_shape(jax.random.key, 0)
+    with jax.sharding.use_abstract_mesh(EXPLICIT):
+        params = jax.eval_shape(model.init, key, x)["params"]
+    step = jax.grad(lambda p, x: model.apply({"params": p}, model.prepare(x)), argnums=1)
+    assert sorted(found(step, params, x)) == [f"{p}/{k}" for p in ("backward", "forward") for k in (
+        "gate/dot_general-TypedBlock.__call__-L3", "reshard-ModelWithHelper.prepare-L1",
+        "up/dot_general-TypedBlock.__call__-L3")]
+
+
 AXES = ("batch", "embed")
 RULES = [("batch", "data"), ("embed", "model"), ("mlp", None), ("heads", "model"), ("kv", None)]
 

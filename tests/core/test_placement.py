@@ -265,6 +265,123 @@ def test_any_top_level_names_and_a_mesh_only_rule_file(fresh, tmp_path):
     assert doc["tensors"]["weights/w"]["partition_spec"] == ["fsdp", None]
 
 
+KEYS_PROGRAM = '''
+import jax, jax.numpy as jnp
+import sharding_dump as sd
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def program():
+    def init(key):  # Levanter's way: a training key split from the one it is given, kept in the state
+        mesh = jax.sharding.get_abstract_mesh()
+        params_key, training_key = jax.random.split(key)
+        per_row = jax.jit(lambda k: jax.random.split(k, 8), out_shardings=NamedSharding(mesh, P("fsdp")))(key)
+        return {"params": {"w": jax.random.normal(params_key, (64, 32))}, "training_key": training_key,
+                "row_keys": per_row}
+
+    def train_step(state, batch):
+        training_key, dropout = jax.random.split(state["training_key"])
+        w = state["params"]["w"] * jax.random.bernoulli(dropout, 0.9, (64, 32))
+        return {**state, "params": {"w": w}, "training_key": training_key}, {}
+
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()})
+'''
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_typed_prng_keys_in_the_state_dump_as_keys(fresh, tmp_path, mode):
+    """A typed PRNG key in the state (`jax.random.key`, an extended dtype) is a leaf of dtype `key<fry>`,
+    its shape the key array's, its bytes those of its key data (2 uint32 per threefry key), placed as the
+    program placed it (mutation: `jax.numpy.dtype(dtype).name` for it in layout.dtype_name, and the dump
+    fails with `TypeError: Cannot interpret 'key<fry>' as a data type`)."""
+    (tmp_path / "keyed.py").write_text(KEYS_PROGRAM)
+    (tmp_path / "mesh.yml").write_text("mesh_axes: [fsdp]\n")
+    fresh.syspath_prepend(str(tmp_path))
+    assert cli.main(["--model", "keyed:program", "--topology", "cpu-4", "--rule", str(tmp_path / "mesh.yml"),
+                     "ici_fsdp_parallelism=4", "per_device_batch_size=1", "max_target_length=16", f"shard_mode={mode}",
+                     "--output-dir", str(tmp_path / "out")]) == 0
+    (named,) = (tmp_path / "out").rglob("named_shardings.json")
+    tensors = json.loads(named.read_text())["tensors"]
+    assert {path: (e["dtype"], e["shape"], e["partition_spec"], e["per_device_bytes"]) for path, e in tensors.items()
+            if path != "params/w"} == {"training_key": ("key<fry>", [], [], 8),
+                                       "row_keys": ("key<fry>", [8], ["fsdp"], 2 * 8)}
+
+
+# Levanter's style: an Equinox module of haliax named arrays, placed by its own axis mapping (`hax.shard`, a
+# sharding constraint on the case's mesh), or (`placed=False`) left to the rule file's logical rules.
+NAMED_PROGRAM = '''
+import equinox as eqx
+import haliax as hax
+import jax
+import optax
+
+import sharding_dump as sd
+
+Embed, Mlp, Vocab = hax.Axis("embed", 64), hax.Axis("mlp", 256), hax.Axis("vocab", 128)
+MAPPING = {"mlp": "tensor", "embed": "fsdp", "vocab": "tensor"}
+
+
+class Lm(eqx.Module):
+    embedding: hax.NamedArray
+    up: hax.nn.Linear
+    down: hax.nn.Linear
+
+
+def program(placed=True):
+    tx = optax.adamw(1e-3)
+
+    def init(key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        model = Lm(hax.random.normal(k1, (Vocab, Embed)), hax.nn.Linear.init(Embed, Mlp, key=k2, use_bias=False),
+                   hax.nn.Linear.init(Mlp, Embed, key=k3, use_bias=False))
+        model = hax.shard(model, MAPPING) if placed else model
+        return {"params": model, "opt_state": tx.init(model)}
+
+    def train_step(state, batch):
+        def loss(model):
+            tokens = hax.named(batch["inputs"], ("batch", "position"))
+            x = model.embedding.take("vocab", tokens)
+            return model.down(hax.nn.relu(model.up(x))).sum().scalar()
+
+        grads = jax.grad(loss)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, {}
+
+    return sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()})
+
+
+def by_rules():
+    return program(placed=False)
+'''
+
+
+@pytest.mark.parametrize("function, rule", [("program", "mesh_axes: [fsdp, tensor]\n"),
+                                            ("by_rules", "mesh_axes: [fsdp, tensor]\nlogical_axis_rules:\n"
+                                                         "  - [embed, fsdp]\n  - [mlp, tensor]\n")])
+def test_named_axes_are_logical_axes(fresh, tmp_path, function, rule):
+    """A haliax program's weights and Adam moments carry their axis names: the logical golden holds them
+    (it held `[]`), placed by the program's own axis mapping, or by the rule file's logical rules where
+    it placed nothing (mutation: no `box_named_arrays` in zoo.dump.layout_view, and every leaf has `[]`,
+    by_rules' weights whole on every device)."""
+    (tmp_path / "named_lm.py").write_text(NAMED_PROGRAM)
+    (tmp_path / "named.yml").write_text(rule)
+    fresh.syspath_prepend(str(tmp_path))
+    assert cli.main(["--model", f"named_lm:{function}", "--topology", "cpu-4", "--rule", str(tmp_path / "named.yml"),
+                     "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "per_device_batch_size=1",
+                     "max_target_length=16", "--output-dir", str(tmp_path / "out")]) == 0
+    (folder,) = {p.parent for p in (tmp_path / "out").rglob("named_shardings.json")}
+    logical = json.loads((folder / "logical_shardings.json").read_text())["tensors"]
+    named = json.loads((folder / "named_shardings.json").read_text())["tensors"]
+    names = {"embedding": ["vocab", "embed"], "up/weight": ["mlp", "embed"], "down/weight": ["embed", "mlp"]}
+    for part in ("params/", "opt_state/0/mu/", "opt_state/0/nu/"):
+        for weight, axes in names.items():
+            (path,) = [p for p in logical if p.startswith(part + weight + "/")]  # the named array's own level
+            assert logical[path]["logical_axes"] == axes, path
+            mapping = {"vocab": "tensor"} if function == "program" else {}
+            assert named[path]["partition_spec"] == [{"embed": "fsdp", "mlp": "tensor", **mapping}.get(a)
+                                                     for a in axes], path
+
+
 # --- Hugging Face Flax models as users hold them --------------------------------------------------------
 
 HF = ("examples.hf_llama:small_llama", "cpu-8", "examples/hf_llama_rules.yml",

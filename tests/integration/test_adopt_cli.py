@@ -3,6 +3,7 @@ rule file that does not fit the model (exit status stays 0)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -43,6 +44,23 @@ def test_rules_that_match_nothing_warn(tmp_path, capsys, monkeypatch):
     ]
 
 
+def test_a_rule_file_with_no_rules_dumps_everything_whole_with_its_warning(tmp_path, capsys, monkeypatch):
+    """`logical_axis_rules: []`: flax places nothing, so the model's named constraints resolve to no
+    constraint, which is not a lost one (mutation: note the call in capture.constrain without rules too,
+    and the dump fails with `constrain() was called for attention_out, ... but no such constraint reached
+    the traced step`)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bare.yml").write_text("mesh_axes: [fsdp]\nlogical_axis_rules: []\n")
+    status = cli.main(["--model", "qwen3-0.6b", "--topology", "cpu-4", "--rule", "bare.yml", "max_target_length=16",
+                       "per_device_batch_size=1", "--golden-dir", "out"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "the rules of bare.yml shard nothing: every tensor and activation is whole on each of the 4 devices " \
+           "(fsdp=4)" in err, err
+    (named,) = (tmp_path / "out").rglob("named_shardings.json")
+    specs = {entry["partition_spec"].count(None) == len(entry["shape"])
+             for entry in json.loads(named.read_text())["tensors"].values()}
+    assert specs == {True}
 def test_shipped_rule_does_not_warn(tmp_path, capsys):
     assert cli.main(["--model", "qwen3-0.6b", "--topology", "cpu-8", "--rule", "pure-fsdp",
                      "--golden-dir", str(tmp_path)]) == 0

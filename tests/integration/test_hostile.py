@@ -521,6 +521,39 @@ def test_environment_cannot_break_the_command(tmp_path, capsys, monkeypatch):
     assert tree(tmp_path / "env") == tree(tmp_path / "plain")
 
 
+# A program that builds its concrete mesh from jax.devices() in its factory, as Levanter's trainer does.
+OWN_MESH = """
+import os
+import jax, jax.numpy as jnp, numpy as np
+import sharding_dump as sd
+
+
+def program():
+    assert "--xla_dump_hlo_as_text" in os.environ["XLA_FLAGS"].split(), os.environ["XLA_FLAGS"]  # the user's own
+    devices = jax.devices()
+    if len(devices) % 2:
+        raise ValueError(f"ICI product 2 does not divide devices_per_slice {len(devices)}")
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, 2), ("fsdp", "tensor"))
+    assert dict(mesh.shape) == {"fsdp": 2, "tensor": 2}, mesh
+    return sd.TrainProgram(lambda key: {"params": {"w": jnp.zeros((8, 4))}}, lambda state, batch: (state, {}))
+"""
+
+
+def test_a_program_that_builds_its_mesh_from_the_devices_gets_the_cases_count(tmp_path):
+    """The case's device count as CPU devices, after the user's own XLA_FLAGS (which stay): a fresh
+    process, as the command is (mutation: no give_cpu_devices in options.cases_of, and the factory
+    fails with `ICI product 2 does not divide devices_per_slice 1`; XLA_FLAGS dropped as before, and
+    it fails its assertion of the user's flag)."""
+    (tmp_path / "own_mesh.py").write_text(OWN_MESH)
+    (tmp_path / "mesh.yml").write_text("mesh_axes: [fsdp, tensor]\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_dump_hlo_as_text --xla_force_host_platform_device_count=1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "--model", "own_mesh:program",
+                             "--topology", "cpu-4", "--rule", "mesh.yml", "ici_fsdp_parallelism=2",
+                             "ici_tensor_parallelism=2", "--golden-dir", "out"], cwd=tmp_path, capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert next((tmp_path / "out").rglob("named_shardings.json")).is_file()
 @pytest.mark.parametrize("stdout,buffered", [("/dev/full", True), ("/dev/full", False), ("closed", True)],
                          ids=["full-at-the-last-flush", "full-at-a-write", "closed"])
 def test_standard_output_that_cannot_be_written_is_one_line(stdout, buffered):

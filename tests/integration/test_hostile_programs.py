@@ -157,6 +157,11 @@ def hf_in_model_program():
     from examples.hf_llama import small_llama
     return sd.ModelProgram(small_llama(), positions="position_ids", kwargs={"deterministic": False},
                            inputs={"attention_mask": lambda batch: jnp.ones_like(batch["inputs"])})
+def tty_aware():  # what tqdm_loggable and other progress bars ask of standard output when imported
+    out = sys.stdout
+    out.writelines([f"tty={out.isatty()} encoding={out.encoding} errors={out.errors}", "\\n"])
+    out.flush()
+    return Tiny()
 def train_batch_slash(): return sd.TrainProgram(_init, lambda state, batch: (state, {}), batch={"a/b": sd.Input()})
 def _odd_names(axis):
     from jax.sharding import NamedSharding, PartitionSpec
@@ -644,6 +649,12 @@ def test_a_64_bit_input_is_traced_as_jax_gives_it_without_a_raw_warning(user_rep
     assert not [w for w in recwarn if "float64" in str(w.message)], [str(w.message) for w in recwarn]
 
 
+def test_standard_output_keeps_the_whole_file_api_for_the_users_code(user_repo, capsys):
+    """The CLI's guard of standard output is still a file to the user's code: isatty, encoding, errors,
+    writelines and flush are the stream's own (mutation: drop `_Stdout.__getattr__`, and the factory
+    fails with `AttributeError: '_Stdout' object has no attribute 'isatty'`)."""
+    assert cli.main(factory("tty_aware") + ["--golden-dir", "golden"]) == 0, capsys.readouterr().err
+    assert "tty=false encoding=utf-8 errors=strict\n" in capsys.readouterr().out.lower()
 def test_a_hugging_face_model_in_a_model_program_is_its_module(user_repo, capsys):
     """ModelProgram(FlaxPreTrainedModel, ...) dumps its linen module, as a factory returning that
     model does: the same layouts as examples.hf_llama:small_llama under the harness's HF call."""

@@ -64,6 +64,11 @@ def test_the_wheel_in_a_fresh_repository_beside_other_golden_plugins(tmp_path: P
     install = run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel),
                    *OTHER_PLUGINS, "-c", str(REPO / "constraints.txt")], cwd=tmp_path)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    # beside Levanter's pins (jax<0.12, optax<0.2.7): pyproject.toml's ranges hold a set for them (it held one
+    # optax release, 0.2.8)
+    beside = run([str(python), "-m", "pip", "install", "--dry-run", "--disable-pip-version-check", str(wheel),
+                  "optax<0.2.7", "jax<0.12"], cwd=tmp_path)
+    assert beside.returncode == 0 and "optax-0.2.6" in beside.stdout, beside.stdout[-3000:] + beside.stderr[-3000:]
     version = run([str(venv / "bin" / "sharding-dump"), "--version"], cwd=tmp_path)
     assert version.stdout.startswith(f"sharding-dump {project['version']} (jax "), version.stdout + version.stderr
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sharding_dump.commands.options import xla_flags
 from sharding_dump.commands.verify.figures import compare_figures
 from sharding_dump.commands.verify.hlo import Replicated, Traffic
 from sharding_dump.commands.verify.result import CaseResult
@@ -37,13 +38,11 @@ def golden_specs(case: Any, root: Path) -> dict[str, Any] | None:
 
 def _child_env(devices: int, tpu: bool, work: Path) -> dict[str, str]:
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    if not tpu:  # with --tpu the devices come from libtpu's topology description, no backend needed
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    else:  # libtpu logs to files of its own: its warnings (the partitioner's among them) go to fd 2
+    if tpu:  # libtpu logs to files of its own: its warnings (the partitioner's among them) go to fd 2
         env.update(TPU_STDERR_LOG_LEVEL="1", TPU_MIN_LOG_LEVEL="1", TPU_LOG_DIR=str(work))
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = " ".join(flags)
+    # with --tpu the devices come from libtpu's topology description, no backend needed
+    env["XLA_FLAGS"] = xla_flags(env.get("XLA_FLAGS", ""), None if tpu else devices)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] +
                                         [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
