@@ -93,7 +93,7 @@ def own_specs(rules) -> dict[str, tuple]:
 
     infos = pj.shapes(pj.Config(rules=rules))
     flat = jax.tree_util.tree_flatten_with_path(infos, is_leaf=pj._is_info)[0]
-    return {"params/" + sd.core.layout.path_text(k): tuple(pj.spec(rules, *info[1])) for k, info in flat}
+    return {"params/" + sd.core.tree.path_text(k): tuple(pj.spec(rules, *info[1])) for k, info in flat}
 
 
 def test_pure_jax_every_weight_as_the_program_places_it(fresh):
@@ -163,7 +163,7 @@ def params_axes_specs(module) -> dict[str, tuple]:
     names = nn_partitioning.get_axis_names(variables["params_axes"])
     rules = load_rule(str(REPO / T5X[2]))
     flat = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, P))[0]
-    return {"params/" + sd.core.layout.path_text(k): tuple(resolve(tuple(axes), rules)) for k, axes in flat}
+    return {"params/" + sd.core.tree.path_text(k): tuple(resolve(tuple(axes), rules)) for k, axes in flat}
 
 
 @pytest.mark.parametrize("spec", [T5X, T5X_TRAIN], ids=["model", "train"])

@@ -1,5 +1,5 @@
 """One leaf-path format: a state's key paths as jax writes them (what MaxText's dump keys by), read by
-`core.specs.leaf_path`, are the paths our goldens write (`core.layout.path_text`)."""
+`core.specs.leaf_path`, are the paths our goldens write (`core.tree.path_text`)."""
 
 from __future__ import annotations
 
