@@ -380,7 +380,7 @@ def check_handback(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findin
         per_tensor = {back.path: (diff.compact(back.came_back), diff.compact(back.went_in), back.moved_bytes)
                       for back in backs[end]}  # optimizer slots laid out alike fold in
         findings += [Finding("handback", subject, f"the step {does} on {step} where the state holds it on {held}: "
-                             f"{tables.format_bytes(moved)} moved per device per step"
+                             f"{format_bytes(moved)} moved per device per step"
                              f"{' for each' if ' (and ' in subject else ''}")
                      for subject, (step, held, moved) in _fold(per_tensor)]
     return findings
@@ -402,13 +402,13 @@ def check_serving_memory(setup: CaseSetup) -> list[Finding]:
     largest = (f"the largest slot count that fits at {fit.length} tokens is {fit.largest_slots} "
                f"(per_device_batch_size={fit.largest_slots / devices:g} on {devices} devices)" if fit.largest_slots
                else f"no slot count fits at {fit.length} tokens: the state without its cache takes "
-                    f"{tables.format_bytes(weights)}")
+                    f"{format_bytes(weights)}")
     longest = (f"at {fit.slots} slots the longest cache that fits is {fit.largest_length} tokens"
                if fit.largest_length else f"at {fit.slots} slots no cache length fits")
     return [Finding(
         "memory", f"weights + KV cache per device at {fit.slots} slots x {fit.length} tokens",
-        f"{tables.format_bytes(weights)} + cache {tables.format_bytes(fit.cache)} = {tables.format_bytes(fit.used)} "
-        f"per device, above the {tables.format_bytes(fit.hbm)} HBM of one {setup.topology.chip} device "
+        f"{format_bytes(weights)} + cache {format_bytes(fit.cache)} = {format_bytes(fit.used)} "
+        f"per device, above the {format_bytes(fit.hbm)} HBM of one {setup.topology.chip} device "
         f"({fit.used / fit.hbm:.0%}); {largest}",
         (longest,))]
 
@@ -425,17 +425,17 @@ def check_cache_replicated(setup: CaseSetup, traced: serving.Traced, tolerance: 
                 whole.setdefault(axis, []).append(t)
     total = sum(_bytes(t) for t in cache)
     findings = []
-    for axis, leaves in sorted(whole.items()):
-        replicated = sum(_bytes(t) for t in leaves)
+    for axis, held in sorted(whole.items()):
+        replicated = sum(_bytes(t) for t in held)
         if not total or replicated / total <= tolerance:
             continue
-        ordered = sorted(leaves, key=lambda t: (-t.per_device_bytes, t.path))
+        ordered = sorted(held, key=lambda t: (-t.per_device_bytes, t.path))
         findings.append(Finding(
             "cache-replicated", f"KV cache whole over {axis}={sizes[axis]}",
             f"{replicated / total:.1%} of the cache's bytes are split over no dimension along {axis}: each of its "
             f"{sizes[axis]} devices holds the same entries "
-            f"({tables.format_bytes(sum(t.per_device_bytes for t in leaves))} per device)",
-            tuple(f"{t.path}  spec {diff.compact(_spec(t))}  {tables.format_bytes(t.per_device_bytes)} per device"
+            f"({format_bytes(sum(t.per_device_bytes for t in held))} per device)",
+            tuple(f"{t.path}  spec {diff.compact(_spec(t))}  {format_bytes(t.per_device_bytes)} per device"
                   for t in ordered[:TOP_LEAVES])
             + ((f"... and {len(ordered) - TOP_LEAVES} more cache leaves",) if len(ordered) > TOP_LEAVES else ())))
     return findings
@@ -453,10 +453,10 @@ def check_handoffs(traced: serving.Traced, sizes: dict[str, int]) -> list[Findin
             "handoff", f"{source} -> {target}",
             f"{source} hands {len(moved)} lea{'f' if len(moved) == 1 else 'ves'} to {target} in another layout than "
             f"{target} takes {'it' if len(moved) == 1 else 'them'} in: "
-            f"{tables.format_bytes(sum(m.bytes_per_request for m in moved))} per request, "
-            f"{tables.format_bytes(sum(m.back.moved_bytes for m in moved))} received by the device that moves most",
+            f"{format_bytes(sum(m.bytes_per_request for m in moved))} per request, "
+            f"{format_bytes(sum(m.back.moved_bytes for m in moved))} received by the device that moves most",
             tuple(f"{m.path}  {diff.compact(m.back.came_back)} -> {diff.compact(m.back.went_in)}  "
-                  f"{tables.format_bytes(m.bytes_per_request)} per request" for m in ordered[:TOP_LEAVES])
+                  f"{format_bytes(m.bytes_per_request)} per request" for m in ordered[:TOP_LEAVES])
             + ((f"... and {len(ordered) - TOP_LEAVES} more leaves",) if len(ordered) > TOP_LEAVES else ())))
     return findings
 

@@ -31,7 +31,6 @@ leaf is taken in and handed back in, the layout of its outputs, and its activati
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, Mapping
 
 import jax
@@ -43,7 +42,6 @@ from sharding_dump.core.handback import check_mesh, demanded, returned
 from sharding_dump.core.tree import path_text, unbox
 from sharding_dump.core.program import (Input, ProgramError, ServingProgram, ServingSettings, ServingStep, call_text,
                                         describe, user_code)
-from sharding_dump.errors import shown
 
 @dataclasses.dataclass(frozen=True)
 class StepTrace:

@@ -27,7 +27,7 @@ from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
 from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
 from sharding_dump.core.placement import box_named_arrays, box_params_axes, placed
-from sharding_dump.core.program import ModelProgram, Program, TrainProgram, as_program, boxed_view
+from sharding_dump.core.program import ModelProgram, TrainProgram, boxed_view
 from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, ProgramLayoutWarning, UnevenSplitWarning

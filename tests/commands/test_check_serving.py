@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from helpers import REPO, cache_resharded
 from sharding_dump.commands import check
 from sharding_dump.zoo import dump, serving
-from sharding_dump.zoo.case import Case, load_matrix
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.matrix import load_matrix
 
 LLAMA_70B = {"ici_x_parallelism": 1, "ici_y_parallelism": 8, "shard_mode": "explicit", "max_target_length": 8192,
              "max_prefill_predict_length": 1024, "quantize_kvcache": True}

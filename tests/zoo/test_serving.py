@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from helpers import REPO, cache_resharded
 from sharding_dump.golden.engine import check_or_update_folder
 from sharding_dump.zoo import dump, serving
-from sharding_dump.zoo.case import golden_dir, load_matrix
+from sharding_dump.zoo.case import golden_dir
+from sharding_dump.zoo.matrix import load_matrix
 
 CASES = REPO / "examples/serving_cases.yml"
 
