@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 for warning in dumped.use_warnings:
                     print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
             next(results, None)  # the workers are joined
-        except concurrent.futures.process.BrokenProcessPool:
+        except concurrent.futures.BrokenExecutor:  # a worker process died (concurrent.futures.process is imported only with -j N)
             print("sharding-dump: error: a worker process died (killed, or out of memory); each golden folder is "
                   "whole, old or new: run again (-j 1 dumps in this process)", file=sys.stderr)
             return 1
