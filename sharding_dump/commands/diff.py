@@ -298,6 +298,7 @@ def _case_block(report: CaseReport, fmt: str, max_rows: int | None = MAX_ROWS, f
         yield tables.render(MEMORY_HEADERS, rows, fmt, right=(1, 2, 3))
     cache = _cache_changes(report)
     if cache:
+        yield ""
         yield f"{bullet}KV cache: " + ", ".join(cache)
     chart = pictures.memory_chart(report.memory) if fmt == "markdown" else None
     if chart:

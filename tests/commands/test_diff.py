@@ -294,7 +294,11 @@ def test_a_serving_case_shows_cache_bytes_per_device_and_per_request(tmp_path, c
     check_or_update_folder(new, dump.render_case(case), update=True)
     assert main(["diff", str(golden_dir(case, REPO / "golden")), str(new), "--format", "markdown"]) == 1
     out = capsys.readouterr().out
-    assert "- memory per device: cache 18.0 KiB -> 72.0 KiB (+54.0 KiB), weights 62.1 KiB -> 74.1 KiB" in out
-    assert "- KV cache: per device 18.0 KiB -> 72.0 KiB (+54.0 KiB), per device per request 2.3 KiB -> 9.0 KiB" in out
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| cache ") or line.startswith("| weights ")}
+    assert rows == {"cache": ["18.0 KiB", "72.0 KiB", "+54.0 KiB (+300%)"],
+                    "weights": ["62.1 KiB", "74.1 KiB", "+12.0 KiB (+19%)"]}  # memory per device, by part
+    assert ("- KV cache: per device 18.0 KiB -> 72.0 KiB (+54.0 KiB, +300%), per device per request 2.3 KiB -> "
+            "9.0 KiB (+6.8 KiB, +300%)") in out
     assert ", per request" not in out  # a request's cache is as large as before: not listed
     assert '`cache/k/0/quant`' in out and '`["x",null,null,null]`' in out
