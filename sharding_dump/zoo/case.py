@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from sharding_dump.errors import BadInput
 from sharding_dump.resources import DATA_DIR, load_yaml, validate
-from sharding_dump.zoo import rules, settings, topology
+from sharding_dump.zoo import releases, rules, settings, topology
 from sharding_dump.zoo.model_ref import ModelRef, parse_model_ref
 
 CASES_FILE = DATA_DIR / "cases.yml"
@@ -45,13 +45,23 @@ class Case:
         """Validates every field (BadInput on the first bad one) and canonicalises the overrides."""
         parse_model_ref(model)
         topology.load_topology(topology_name, num_slices)
-        rules.rule_path(rule)
-        return cls(model, topology_name, rule, num_slices, settings.parse_overrides(overrides or {}))
+        parsed = settings.parse_overrides(overrides or {})
+        rules.rule_path(rule, releases.release_of(dict(parsed)).rules_dir)
+        return cls(model, topology_name, rule, num_slices, parsed)
 
     @property
     def model_ref(self) -> ModelRef:
         """What the model name refers to: a card or a factory in the user's code."""
         return parse_model_ref(self.model)
+
+    @property
+    def release(self) -> releases.Release:
+        """The MaxText release the case builds (its `maxtext_version`)."""
+        return releases.release_of(dict(self.overrides))
+
+    def rule_set(self) -> rules.RuleSet:
+        """The case's rule file, a name looked up among its MaxText release's rule files."""
+        return rules.load_rule(self.rule, self.release.rules_dir)
 
     @property
     def rule_name(self) -> str:

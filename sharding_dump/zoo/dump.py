@@ -31,7 +31,7 @@ from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.pipeline import PipelineConfig
-from sharding_dump.zoo import cards, optimizers, rules, settings, state
+from sharding_dump.zoo import cards, optimizers, releases, rules, settings, state
 from sharding_dump.zoo.batch import BatchPlan, plan_batch
 from sharding_dump.zoo.cards import card_path
 from sharding_dump.zoo.case import Case
@@ -86,7 +86,7 @@ class CaseSetup:
 def setup_case(case: Case) -> CaseSetup:
     """Resolves topology, rules, settings, mesh and model config; BadInput on anything invalid."""
     topology = load_topology(case.topology, case.num_slices)
-    rule_set = rules.load_rule(case.rule)
+    rule_set = case.rule_set()
     mesh_defaults = rule_set.mesh_settings_for(topology.name)
     card_defaults = cards.card_settings(case.model) if case.model_ref.kind != "factory" else {}
     values = settings.resolve(case.overrides, card_defaults, mesh_defaults)
@@ -97,7 +97,8 @@ def setup_case(case: Case) -> CaseSetup:
         _check_factory_settings(case, values, plan)
     else:
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"])
+                                   sparse_matmul=values["sparse_matmul"],
+                                   **case.release.model_fields(cards.load_card(case.model)["name"]))
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:
@@ -107,6 +108,7 @@ def setup_case(case: Case) -> CaseSetup:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
     optimizers.check(values, config.decoder_block if config is not None else None, case.model)
+    releases.check_case(case.release, values, config.decoder_block if config is not None else None, plan.sizes)
     optimizers.case_optimizer(values)  # a user's optimizer that cannot be built fails here, before any trace
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 from sharding_dump.core.specs import entry_axes
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.resources import DATA_DIR, YAML_MAX_BYTES, load_yaml, parse_yaml, read_text, validate
+from sharding_dump.zoo import releases
 
 if TYPE_CHECKING:  # imported when a case is made: composing a configuration needs neither jax nor flax
     from omegaconf import DictConfig
@@ -425,11 +426,32 @@ def _refused(problems: list[tuple[str, str]]) -> None:
         raise BadInput(problems[0][1] + more)
 
 
-def _check_known(composed: Composed, table: KeyTable) -> None:
+def _check_known(composed: Composed, table: KeyTable, release: releases.Release) -> None:
     unknown = [key for key in composed.values if key not in table.kind]
     _refused([(key, f"{composed.where(key)}: not a MaxText key that sharding-dump knows ({_display(KEYS_FILE)} lists "
-              f"MaxText {table.commit}'s): a key it does not know could move a layout, so it is refused, "
-              f"not ignored") for key in unknown])
+              f"MaxText {table.commit}'s and those of the releases in {_display(releases.RELEASES_FILE)}): a key it "
+              f"does not know could move a layout, so it is refused, not ignored") for key in unknown])
+    others = [key for key in composed.values if key not in releases.keys_of(release.version, set(table.kind))]
+    _refused([(key, f"{composed.where(key)}: not a key of MaxText {release.version}, whose keys the rest of the "
+              f"configuration has ({_display(releases.RELEASES_FILE)})") for key in others])
+
+
+def release_of(composed: Composed, table: KeyTable) -> releases.Release:
+    """The MaxText release whose base.yml the configuration composes: the one whose keys hold every known
+    key of it (a key only a later release has, or one it removed, tells them apart; when the keys fit
+    several, the `maxtext_version` default). A configuration mixing two releases' keys is refused."""
+    from sharding_dump.zoo import settings
+
+    known = {key for key in composed.values if key in table.kind}
+    fits = [rel for rel in releases.releases().values() if known <= releases.keys_of(rel.version, set(table.kind))]
+    if not fits:
+        marks = {rel.version: sorted(known & set(rel.keys_added) or known & set(rel.keys_removed))[:1]
+                 for rel in releases.releases().values() if known & set(rel.keys_added + rel.keys_removed)}
+        raise BadInput(f"the MaxText configuration mixes keys of different releases "
+                       f"({'; '.join(f'{v}: {k[0]}' for v, k in marks.items() if k)}); compose it from one "
+                       f"release's base.yml ({_display(releases.RELEASES_FILE)})")
+    default = str(settings.value_of({}, releases.SETTING))
+    return next((rel for rel in fits if rel.version == default), fits[-1])
 
 
 def _zoo_value(config: ModelConfig, field: str) -> Any:
@@ -613,33 +635,39 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
             resolve: Resolve | None = None, environ: Mapping[str, str] | None = None) -> MaxTextCase:
     """The case of a composed configuration, every key checked (BadInput on the first refused one).
     `resolve(field, name)` maps model and rule names (a project's card and rule folders)."""
-    from sharding_dump.zoo import cards, rules
+    from sharding_dump.zoo import cards, rules, settings
     from sharding_dump.zoo.case import Case
 
     resolve = resolve or (lambda field, ref: ref)
     table = key_table()
-    _check_known(composed, table)
+    release = release_of(composed, table)
+    _check_known(composed, table, release)
     name = model_name_of(composed.values)
     if name == "default":
         raise BadInput(f"{composed.where('model_name')}: {shown(composed.values.get('model_name', 'default'))}: "
                        f"MaxText's base model has no card; set model_name to a model card "
                        f"(sharding-dump list models)")
+    missing = releases.missing_model(name)
+    if missing is not None:
+        raise BadInput(f"{composed.where('model_name')}: {missing}")
     model_ref = resolve("model", name)
     try:
         card, _ = cards.resolve_model(model_ref)
-        config = cards.load_config(model_ref)
+        config = cards.load_config(model_ref, **release.model_fields(name))
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
     _check_refused(composed, table, config)
     _check_model(composed, table, card, config)
     rule_ref = resolve("rule", composed.values.get("custom_mesh_and_rule") or DEFAULT_RULE)
     try:
-        rule_set = rules.load_rule(rule_ref)
+        rule_set = rules.load_rule(rule_ref, release.rules_dir)
     except BadInput as err:
         raise BadInput(f"{composed.where('custom_mesh_and_rule')}: {err}") from None
     rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
     _check_rule(composed, rule_set, maxtext_configs_dir(environ), card)
     overrides = _settings(composed, table)
+    if release.version != settings.value_of({}, releases.SETTING):
+        overrides[releases.SETTING] = release.version
     topology, num_slices = _topology(composed, topology, num_slices)
     notes = tuple(f"{composed.where(key)}: {_text(composed.values[key])}: verify compiles the zoo's step with "
                   f"{key}={_text(value)}, so its memory and collectives are not those of this value"

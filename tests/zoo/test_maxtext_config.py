@@ -20,13 +20,15 @@ import yaml
 from helpers import REPO, sweep_beyond_first, tree_bytes
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import NUMERICS, ModelConfig
-from sharding_dump.zoo import cards, maxtext_config, settings
+from sharding_dump.models.config import NUMERICS, RELEASE_FIELDS, ModelConfig
+from sharding_dump.zoo import cards, maxtext_config, releases, settings
 from sharding_dump.zoo import cards as card_registry
 from sharding_dump.zoo.cards import load_card
 from sharding_dump.zoo.case import Case, golden_dir, load_matrix
 
 CONFIGS = REPO / "tests" / "data" / "maxtext" / "configs"
+# MaxText's configuration files of each release data/maxtext_releases.yml names.
+RELEASE_CONFIGS = {"0.2.4": CONFIGS, "0.2.5": REPO / "tests" / "data" / "maxtext" / "configs-0.2.5"}
 RUN = REPO / "tests" / "data" / "maxtext" / "runs" / "llama2-7b-v5p-16.yml"
 BASE = CONFIGS / "base.yml"
 # Keys of MaxText's configuration that are not in base.yml: base_config (read by pyconfig itself),
@@ -46,8 +48,8 @@ def maxtext_installed(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def base_keys() -> dict:
-    return yaml.safe_load(BASE.read_text())
+def base_keys(version: str = "0.2.4") -> dict:
+    return yaml.safe_load((RELEASE_CONFIGS[version] / "base.yml").read_text())
 
 
 def read(*command_line: str, config: Path = RUN, **kwargs) -> Case:
@@ -62,9 +64,12 @@ def run_file(tmp_path: Path, text: str, name: str = "run.yml") -> Path:
 
 # --- the key list ----------------------------------------------------------------------------------
 
-def test_every_key_of_maxtexts_base_yml_is_classified_and_nothing_else():
+@pytest.mark.parametrize("version", sorted(RELEASE_CONFIGS))
+def test_every_key_of_maxtexts_base_yml_is_classified_and_nothing_else(version):
+    """Each release's base.yml: its keys are the key list's less those another release adds or removes."""
+    assert set(RELEASE_CONFIGS) == set(releases.releases())
     table = maxtext_config.key_table()
-    assert set(base_keys()) == set(table.kind) - BEYOND_BASE
+    assert set(base_keys(version)) == releases.keys_of(version, set(table.kind)) - BEYOND_BASE
     assert BEYOND_BASE <= set(table.kind)
 
 
@@ -72,7 +77,9 @@ def test_every_setting_of_the_package_is_honoured_under_maxtexts_name():
     table = maxtext_config.key_table()
     honoured = {k for k, kind in table.kind.items() if kind == "settings"}
     # a reference setting names a function of the user's own (optimizer=): MaxText has no such key
-    known = {key for key, spec in settings.setting_specs().items() if spec.type != "reference"}
+    # maxtext_version chooses the release itself (data/maxtext_releases.yml): MaxText has no such key
+    known = {key for key, spec in settings.setting_specs().items()
+             if spec.type != "reference" and key != releases.SETTING}
     assert known <= honoured, f"settings with no MaxText key: {sorted(known - honoured)}"
     assert all(settings.spec_for(key) is not None for key in honoured)
 
@@ -83,7 +90,8 @@ def test_every_model_card_field_is_a_classified_maxtext_key():
     table = maxtext_config.key_table()
     by_field = {spec.field: key for key, spec in table.model.items()}
     rules = {"logical_axis_rules"}
-    run_settings = {name for name, _, _ in NUMERICS}  # set by the run (settings), not by the card
+    # set by the run (settings) or by the MaxText release, not by the card
+    run_settings = {name for name, _, _ in NUMERICS + RELEASE_FIELDS}
     for field in {f.name for f in dataclasses.fields(ModelConfig)} - ZOO_ONLY_FIELDS - rules - run_settings:
         key = by_field.get(field, field)
         assert key in table.kind, f"card field {field} is no key of data/maxtext_keys.yml"
@@ -96,14 +104,16 @@ def test_a_model_key_without_a_neutral_value_is_a_field_every_block_builds():
     assert {spec.field for spec in table.model.values() if not spec.has_neutral} <= common
 
 
-def test_maxtexts_defaults_are_never_refused():
-    """base.yml's own value of every refused or model key is one the zoo builds."""
-    base = base_keys()
+@pytest.mark.parametrize("version", sorted(RELEASE_CONFIGS))
+def test_maxtexts_defaults_are_never_refused(version):
+    """Each release's base.yml's own value of every refused or model key is one the zoo builds."""
+    base = base_keys(version)
     table = maxtext_config.key_table()
     for key, refusal in table.refuse.items():
-        assert maxtext_config.same(base[key], refusal.supported), key
+        if key in base:
+            assert maxtext_config.same(base[key], refusal.supported), key
     for key, spec in table.model.items():
-        if spec.has_neutral:
+        if spec.has_neutral and key in base:
             assert maxtext_config.same(base[key], spec.neutral), key
 
 
