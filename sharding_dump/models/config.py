@@ -26,10 +26,9 @@ _PYTHON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str
 # settings), not by the card.
 NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"), ("sparse_matmul", bool, True))
 # What a MaxText release changes in the layers it builds (the zoo's data/maxtext_releases.yml sets them per
-# release): the logical axis of every attention kernel's embed dimension, that of the router kernel of
-# MaxText's RoutedAndSharedMoE, and whether the routed `gate/bias` is model state rather than a parameter.
-RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"),
-                  ("routed_bias_state", bool, False))
+# release): the logical axis of every attention kernel's embed dimension, and that of the router kernel of
+# MaxText's RoutedAndSharedMoE.
+RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"))
 
 
 def frozen(value: Any) -> Any:

@@ -97,8 +97,8 @@ def setup_case(case: Case) -> CaseSetup:
         _check_factory_settings(case, values, plan)
     else:
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"],
-                                   **case.release.model_fields(cards.load_card(case.model)["name"]))
+                                   sparse_matmul=values["sparse_matmul"], **case.release.model)
+        releases.check_model(case.release, config.name, config.routed_bias)
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:

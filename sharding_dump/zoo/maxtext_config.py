@@ -653,9 +653,13 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
     model_ref = resolve("model", name)
     try:
         card, _ = cards.resolve_model(model_ref)
-        config = cards.load_config(model_ref, **release.model_fields(name))
+        config = cards.load_config(model_ref, **release.model)
+        releases.check_model(release, config.name, config.routed_bias)
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
+    releases.check_build(release, any(composed.values.get(key) is True for key in release.nnx_keys),
+                         composed.values.get("shard_optimizer_over_data") is True,
+                         f"{composed.where('shard_optimizer_over_data')}: ")
     _check_refused(composed, table, config)
     _check_model(composed, table, card, config)
     rule_ref = resolve("rule", composed.values.get("custom_mesh_and_rule") or DEFAULT_RULE)
@@ -682,8 +686,29 @@ def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list
     (`ignore` in data/maxtext_keys.yml: `attention=dot_product`, `sa_block_q=256`, ...), which the case
     takes as MaxText does and drops, as they change none of its documents. Also one note for each that
     `verify` compiles otherwise (the `compiled` keys)."""
+    from sharding_dump.zoo import settings
+
     table = key_table()
-    kept = {k: v for k, v in assignments.items() if table.kind.get(k) != "ignore"}
+    release = releases.release(assignments.get(releases.SETTING, str(settings.value_of({}, releases.SETTING))))
+    keys = releases.keys_of(release.version, set(table.kind))
+    problems = []
+    for key, value in assignments.items():
+        kind = table.kind.get(key)
+        if kind is None or kind == "settings":
+            continue  # a setting of the zoo's, or unknown: the settings say
+        if key not in keys:
+            problems.append((key, f"{key}={value}: not a key of MaxText {release.version} ({releases.SETTING}="
+                                  f"{release.version}; {_display(releases.RELEASES_FILE)})"))
+        elif kind == "refuse" and not same(parse_command_line([f"{key}={value}"])[key], table.refuse[key].supported):
+            refusal = table.refuse[key]
+            problems.append((key, f"{key}={value}: not supported: {refusal.why} (the zoo builds "
+                                  f"{key}={_text(refusal.supported)})"))
+    _refused(problems)
+    nnx = any(parse_command_line([f"{k}={assignments[k]}"])[k] is True for k in release.nnx_keys if k in assignments)
+    zero1 = "shard_optimizer_over_data" in assignments and settings.parse_overrides(
+        {"shard_optimizer_over_data": assignments["shard_optimizer_over_data"]})[0][1] is True
+    releases.check_build(release, nnx, zero1)
+    kept = {k: v for k, v in assignments.items() if table.kind.get(k) not in ("ignore", "refuse")}
     notes = [f"{key}={value}: verify compiles the zoo's step with {key}={_text(table.compiled[key][0])}, so its "
              f"memory and collectives are not those of this value"
              for key, value in assignments.items() if key in table.compiled and key not in kept

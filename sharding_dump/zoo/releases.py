@@ -17,7 +17,7 @@ import functools
 from pathlib import Path
 from typing import Any, Mapping
 
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, RULES_DIR, load_yaml, validate
 
 RELEASES_FILE = DATA_DIR / "maxtext_releases.yml"
@@ -40,11 +40,8 @@ class Release:
     models_missing: Mapping[str, str]
     builds: tuple[str, ...]
     written: str
-
-    def model_fields(self, model_name: str) -> dict[str, Any]:
-        """The ModelConfig fields this release sets on the card `model_name` (models/config.py's
-        RELEASE_FIELDS; a field the release does not name keeps the layers' own default)."""
-        return {**self.model, "routed_bias_state": self.bias_is_state(model_name)}
+    nnx_keys: tuple[str, ...]  # MaxText keys choosing its NNX build (any true), where it has two builds
+    nnx_differs: str  # where that build places a ZeRO-1 case otherwise than the Linen build written
 
     def bias_is_state(self, model_name: str) -> bool:
         """True when the release keeps the routed `gate/bias` of `model_name` as model state, not a
@@ -65,7 +62,8 @@ def releases() -> dict[str, Release]:
         out[version] = Release(version, raw["source"], folder, dict(raw["model"]), tuple(raw["model_state_bias"]),
                                tuple(raw["explicit_blocks"]), raw["zero1_with_fsdp"], tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
-                               tuple(raw["builds"]["maxtext"]), raw["builds"]["written"])
+                               tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
+                               tuple(raw["builds"]["nnx_keys"]), raw["builds"]["nnx_differs"])
     return out
 
 
@@ -73,7 +71,7 @@ def release(version: str) -> Release:
     """The release `version` (BadInput naming the known ones for any other)."""
     known = releases()
     if version not in known:
-        raise BadInput(f"{SETTING}={version}: must be one of {', '.join(known)}")
+        raise BadInput(f"{SETTING}={shown(version)}: must be one of {', '.join(known)}")
     return known[version]
 
 
@@ -108,6 +106,23 @@ def missing_model(name: str) -> str | None:
         if name in rel.models_missing:
             return f"MaxText {rel.version}'s model config {name!r} is not built by the zoo: {rel.models_missing[name]}"
     return None
+
+
+def check_build(rel: Release, nnx: bool, zero1: bool, where: str = "") -> None:
+    """BadInput when the MaxText keys ask for the release's NNX build (`nnx`) of a case that build places
+    otherwise than the Linen build sharding-dump writes (ZeRO-1, `zero1`)."""
+    if nnx and zero1 and rel.nnx_keys:
+        raise BadInput(f"{where}shard_optimizer_over_data=true with MaxText {rel.version}'s NNX build "
+                       f"({'/'.join(rel.nnx_keys)} true): {rel.nnx_differs}; sharding-dump writes the Linen build: "
+                       f"give {' '.join(f'{k}=false' for k in rel.nnx_keys)}")
+
+
+def check_model(rel: Release, model_name: str, routed_bias: bool) -> None:
+    """BadInput for a model the release builds otherwise than the zoo can (its routed bias as model state)."""
+    if routed_bias and rel.bias_is_state(model_name):
+        raise BadInput(f"model {model_name!r}: MaxText {rel.version} keeps its routed gate/bias as model state, not a "
+                       f"parameter (no optimizer moments, the layer axis first), which the zoo does not build; give "
+                       f"{SETTING}=0.2.4")
 
 
 FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it

@@ -238,6 +238,37 @@ def test_every_card_composes_from_maxtexts_model_config(card):
     assert case == Case.make(card, "v5p-16", "default", overrides=cards.card_settings(card))
 
 
+@pytest.mark.parametrize("card", sweep_beyond_first(cards.model_names(), lambda name: cards.load_config(name).decoder_block))
+def test_every_card_composes_from_maxtext_025s_model_config(card, monkeypatch):
+    """MaxText 0.2.5's base.yml + models/<card>.yml is the card built as 0.2.5 (`maxtext_version=0.2.5`),
+    or refused in one line when 0.2.5 builds it otherwise than the zoo can (a routed bias kept as state)."""
+    configs = RELEASE_CONFIGS["0.2.5"]
+    monkeypatch.setenv("MAXTEXT_CONFIGS_DIR", str(configs))
+    rel = releases.release("0.2.5")
+    if cards.load_config(card).routed_bias and rel.bias_is_state(card):
+        with pytest.raises(BadInput, match=f"model {card!r}: MaxText 0.2.5 keeps its routed gate/bias as model state"):
+            read(f"model_name={card}", config=configs / "base.yml", topology="v5p-16")
+        return
+    case = read(f"model_name={card}", config=configs / "base.yml", topology="v5p-16")
+    assert case == Case.make(card, "v5p-16", "default", overrides={**cards.card_settings(card), "maxtext_version": "0.2.5"})
+
+
+def test_a_configuration_of_two_releases_is_refused():
+    with pytest.raises(BadInput, match=r"mixes keys of different releases [(]0.2.5: use_m3_model[)]; compose it"):
+        read("model_name=qwen3-0.6b", "use_m3_model=false", config=BASE, topology="v5p-16")
+
+
+def test_zero1_with_e591f30s_nnx_build_is_refused_and_its_linen_build_taken():
+    """base.yml of e591f30 asks for the NNX build, which places ZeRO-1's moments otherwise: refused, and
+    taken with the three keys false (the Linen build, as MaxText's own sharding tests run it)."""
+    zero1 = ["model_name=llama2-7b", "ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "shard_optimizer_over_data=true"]
+    with pytest.raises(BadInput, match=r"the command line: shard_optimizer_over_data: shard_optimizer_over_data=true with "
+                                       r"MaxText 0.2.4's NNX build"):
+        read(*zero1, config=BASE, topology="v5p-16")
+    linen = read(*zero1, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
+    assert dict(linen.overrides)["shard_optimizer_over_data"] is True
+
+
 def test_a_cards_settings_are_its_cases_defaults():
     """`--model gpt3-6b` trains as MaxText's `model_name=gpt3-6b` does (adam_pax on 1024 tokens): the same
     tensors as the matrix case that names those settings; a KEY=VALUE still wins."""

@@ -67,7 +67,24 @@ BAD = [
     ("--model qwen3-0.6b --rule fsdp-as-dp-for-attn",
      "unknown rule 'fsdp-as-dp-for-attn' (a rule of MaxText 0.2.5: give maxtext_version=0.2.5)"),
     ("--model qwen3-0.6b maxtext_version=0.2.3", "maxtext_version='0.2.3': must be one of 0.2.4, 0.2.5"),
+    ("--model deepseek3-test maxtext_version=0.2.5",
+     "model 'deepseek3-test': MaxText 0.2.5 keeps its routed gate/bias as model state, not a parameter"),
+    ("--model qwen3-0.6b maxtext_version=0.2.5 pure_nnx=false", "pure_nnx=false: not a key of MaxText 0.2.5"),
+    ("--model qwen3-0.6b use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
+    ("--model qwen3-0.6b maxtext_version=0.2.5 use_lineage=true", "use_lineage=true: not supported: another "
+                                                                  "implementation of the model"),
+    ("--model qwen3-0.6b ici_data_parallelism=2 shard_optimizer_over_data=true pure_nnx=true",
+     "shard_optimizer_over_data=true with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/pure_nnx true): "
+     "MaxText's NNX build adds ZeRO-1's data axis to another dimension"),
 ]
+
+
+def test_the_default_release_is_not_named_in_the_folder():
+    """`maxtext_version=0.2.4` (the default) is the case without it: earlier goldens keep their folders."""
+    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.4"}) == \
+        Case.make("qwen3-0.6b", "tpu7x-16", "default")
+    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.5"}).name == \
+        "rule_default_maxtext_version=0.2.5"
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[a for a, _ in BAD])
@@ -93,7 +110,7 @@ def test_release_025_names_every_attention_kernel_embed_attn():
 
 
 def test_release_025_names_the_router_of_routed_and_shared_experts_embed_router():
-    old, new = logical("deepseek3-test"), logical("deepseek3-test", maxtext_version="0.2.5")
+    old, new = logical("deepseek2-16b"), logical("deepseek2-16b", maxtext_version="0.2.5")
     gate = "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel"
     assert old[gate] == ["embed_moe", "moe_layers", None] and new[gate] == ["embed_router", "moe_layers", None]
 
