@@ -407,10 +407,11 @@ def releases_table() -> str:
         missing = ", ".join(f"`{name}`" for name in rel.models_missing) or "none"
         rows.append([f"`{rel.version}`" + (" (default)" if rel.version == default else ""), rel.source,
                      f"`{folder}/`", axes, bias, ", ".join(f"`{b}`" for b in rel.explicit_blocks),
-                     "yes" if rel.zero1_with_fsdp else "refused", keys, missing,
+                     "yes" if rel.zero1_with_fsdp else "refused",
+                     "refused" if rel.kv_heads_atomic else "yes", keys, missing,
                      f"{', '.join(rel.builds)}; written: {rel.written}"])
     return table(["`maxtext_version`", "MaxText's code", "rule files", "logical axes", "routed bias as state",
-                  "explicit mode accepts", "ZeRO-1 with FSDP", "base.yml keys (vs previous)",
+                  "explicit mode accepts", "ZeRO-1 with FSDP", "a key/value head split", "base.yml keys (vs previous)",
                   "model configs without a card", "MaxText's builds"], rows)
 
 

@@ -108,7 +108,7 @@ def setup_case(case: Case) -> CaseSetup:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
     optimizers.check(values, config.decoder_block if config is not None else None, case.model)
-    releases.check_case(case.release, values, config.decoder_block if config is not None else None, plan.sizes)
+    releases.check_case(case.release, values, config, plan.sizes, _kv_head_axes(config, rule_set))
     optimizers.case_optimizer(values)  # a user's optimizer that cannot be built fails here, before any trace
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
@@ -117,6 +117,16 @@ def setup_case(case: Case) -> CaseSetup:
     if setup.explicit:
         _check_even_splits(setup)
     return setup
+
+
+def _kv_head_axes(config: models.ModelConfig | None, rule_set: rules.RuleSet) -> tuple[str, ...]:
+    """The mesh axes the rules place the kv_heads dimension of a key projection on (MaxText's kernel axes
+    (embed, kv_heads, kv_head_dim)); () for a user's model."""
+    if config is None:
+        return ()
+    from sharding_dump.core.layout import resolve
+
+    return specs.entry_axes(resolve((config.attention_embed_axis, "kv_heads", "kv_head_dim"), rule_set)[1])
 
 
 # Settings that only a built-in model (built from a card) can honour.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from sharding_dump.errors import BadInput, shown
 from sharding_dump.resources import DATA_DIR, RULES_DIR, load_yaml, validate
@@ -35,6 +35,7 @@ class Release:
     model_state_bias: tuple[str, ...]
     explicit_blocks: tuple[str, ...]
     zero1_with_fsdp: bool
+    kv_heads_atomic: bool
     keys_added: tuple[str, ...]
     keys_removed: tuple[str, ...]
     models_missing: Mapping[str, str]
@@ -60,7 +61,8 @@ def releases() -> dict[str, Release]:
         if not folder.is_dir():
             raise BadInput(f"MaxText releases file {RELEASES_FILE}: field releases/{version}/rules: no folder {folder}")
         out[version] = Release(version, raw["source"], folder, dict(raw["model"]), tuple(raw["model_state_bias"]),
-                               tuple(raw["explicit_blocks"]), raw["zero1_with_fsdp"], tuple(raw["keys_added"]),
+                               tuple(raw["explicit_blocks"]), raw["zero1_with_fsdp"], raw["kv_heads_atomic"],
+                               tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
                                tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
                                tuple(raw["builds"]["nnx_keys"]), raw["builds"]["nnx_differs"])
@@ -128,12 +130,26 @@ def check_model(rel: Release, model_name: str, routed_bias: bool) -> None:
 FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it
 
 
-def check_case(rel: Release, values: Mapping[str, Any], decoder_block: str | None, sizes: Mapping[str, int]) -> None:
+def check_case(rel: Release, values: Mapping[str, Any], config: Any, sizes: Mapping[str, int],
+               kv_head_axes: Sequence[str] = ()) -> None:
     """BadInput for what the release's MaxText refuses: shard_mode=explicit for a decoder block outside its
-    explicit set, ZeRO-1 (shard_optimizer_over_data) with FSDP axes of more than one device."""
+    explicit set, ZeRO-1 (shard_optimizer_over_data) with FSDP axes of more than one device, key/value
+    heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
+    kv_heads dimension is placed on). `config`: the card's ModelConfig, None for a user's model."""
+    decoder_block = config.decoder_block if config is not None else None
     if values["shard_mode"] == "explicit" and decoder_block is not None and decoder_block not in rel.explicit_blocks:
         raise BadInput(f"shard_mode=explicit: MaxText {rel.version} does not support decoder block {decoder_block!r} "
                        f"in explicit mode (blocks it supports: {', '.join(rel.explicit_blocks)})")
+    if rel.kv_heads_atomic and config is not None and kv_head_axes:
+        split = [axis for axis in kv_head_axes if sizes.get(axis, 1) > 1]
+        shards = 1
+        for axis in split:
+            shards *= sizes[axis]
+        for heads in {config.num_kv_heads, config.global_num_kv_heads} - {0}:
+            if heads % shards:
+                raise BadInput(f"MaxText {rel.version} never splits a key/value head: {config.name} has {heads} "
+                               f"key/value heads, which the rules split over {' x '.join(split)} ({shards} "
+                               f"shards); size those axes to divide {heads}")
     fsdp = 1
     for axis in FSDP_AXES:
         fsdp *= sizes.get(axis, 1)

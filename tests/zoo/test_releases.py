@@ -71,6 +71,9 @@ BAD = [
      "model 'deepseek3-test': MaxText 0.2.5 keeps its routed gate/bias as model state, not a parameter"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 pure_nnx=false", "pure_nnx=false: not a key of MaxText 0.2.5"),
     ("--model qwen3-0.6b use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
+    ("--model qwen3.5-35b-a3b maxtext_version=0.2.5 ici_fsdp_parallelism=-1 ici_tensor_parallelism=4",
+     "MaxText 0.2.5 never splits a key/value head: qwen3.5-35b-a3b has 2 key/value heads, which the rules split "
+     "over tensor (4 shards); size those axes to divide 2"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 use_lineage=true", "use_lineage=true: not supported: another "
                                                                   "implementation of the model"),
     ("--model qwen3-0.6b ici_data_parallelism=2 shard_optimizer_over_data=true pure_nnx=true",
