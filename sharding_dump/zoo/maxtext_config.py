@@ -681,6 +681,17 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
     return MaxTextCase(Case.make(model_ref, topology, rule_ref, num_slices, overrides), notes)
 
 
+# MaxText keys that name what a `--model` case names otherwise (by kind of data/maxtext_keys.yml).
+CASE_KEYS = {
+    "compose": "composes a MaxText configuration: give the configuration with --maxtext-config",
+    "topology": "the topology and slices of a --model case are --topology and --num-slices",
+    "rule": "the rules of a --model case are its --rule file (or take them from a MaxText configuration with "
+            "--maxtext-config)",
+    "model": "a hyperparameter of the model: a --model case builds its card's (write a card, or take the model "
+             "from a MaxText configuration with --maxtext-config)",
+}
+
+
 def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     """KEY=VALUE of a `--model` case split into the zoo's settings and MaxText keys that move no layout
     (`ignore` in data/maxtext_keys.yml: `attention=dot_product`, `sa_block_q=256`, ...), which the case
@@ -699,6 +710,8 @@ def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list
         if key not in keys:
             problems.append((key, f"{key}={value}: not a key of MaxText {release.version} ({releases.SETTING}="
                                   f"{release.version}; {_display(releases.RELEASES_FILE)})"))
+        elif kind in CASE_KEYS:
+            problems.append((key, f"{key}={value}: {CASE_KEYS[kind]}"))
         elif kind == "refuse" and not same(parse_command_line([f"{key}={value}"])[key], table.refuse[key].supported):
             refusal = table.refuse[key]
             problems.append((key, f"{key}={value}: not supported: {refusal.why} (the zoo builds "

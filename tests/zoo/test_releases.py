@@ -71,6 +71,10 @@ BAD = [
      "model 'deepseek3-test': MaxText 0.2.5 keeps its routed gate/bias as model state, not a parameter"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 pure_nnx=false", "pure_nnx=false: not a key of MaxText 0.2.5"),
     ("--model qwen3-0.6b use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
+    ("--model qwen3-0.6b base_emb_dim=1024", "base_emb_dim=1024: a hyperparameter of the model: a --model case "
+                                             "builds its card's"),
+    ("--model qwen3-0.6b compile_topology=v5p-8", "compile_topology=v5p-8: the topology and slices of a --model "
+                                                  "case are --topology and --num-slices"),
     ("--model qwen3.5-35b-a3b maxtext_version=0.2.5 ici_fsdp_parallelism=-1 ici_tensor_parallelism=4",
      "MaxText 0.2.5 never splits a key/value head: qwen3.5-35b-a3b has 2 key/value heads, which the rules split "
      "over tensor (4 shards); size those axes to divide 2"),
@@ -129,3 +133,19 @@ def test_a_release_rule_folder_must_exist(monkeypatch, tmp_path):
             releases.releases()
     finally:
         releases.releases.cache_clear()
+
+
+@pytest.mark.parametrize("version", sorted(CONFIGS))
+def test_every_key_of_a_releases_base_yml_is_known_to_key_value(version):
+    """Each key of the release's base.yml, given as KEY=VALUE at base.yml's value, is honoured (a setting),
+    dropped as layout-neutral, or refused naming the key and why: never an unknown setting."""
+    from sharding_dump.zoo import maxtext_config, settings
+
+    base = yaml.safe_load((CONFIGS[version] / "base.yml").read_text())
+    for key, value in base.items():
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+        try:
+            kept, _ = maxtext_config.layout_neutral({key: text, releases.SETTING: version})
+            settings.parse_overrides(kept)
+        except BadInput as err:
+            assert str(err).startswith(f"{key}=") and "unknown setting" not in str(err), (key, str(err))
