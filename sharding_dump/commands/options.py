@@ -154,7 +154,8 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
             raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
         if getattr(args, "cases", None):
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
-        overrides, notes = maxtext_config.layout_neutral(parse_assignments(args.settings))
+        overrides, notes = maxtext_config.layout_neutral(parse_assignments(args.settings),
+                                                         project.resolve("model", args.model))
         if verb == "verifies":
             for note in notes:
                 print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)

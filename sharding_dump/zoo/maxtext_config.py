@@ -658,8 +658,8 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
     releases.check_build(release, any(composed.values.get(key) is True for key in release.nnx_keys),
-                         composed.values.get("shard_optimizer_over_data") is True,
-                         f"{composed.where('shard_optimizer_over_data')}: ")
+                         composed.values.get("shard_optimizer_over_data") is True, config.decoder_block,
+                         _tensor_parallelism(composed.values), f"{composed.origins.get('model_name', COMMAND_LINE)}: ")
     _check_refused(composed, table, config)
     _check_model(composed, table, card, config)
     rule_ref = resolve("rule", composed.values.get("custom_mesh_and_rule") or DEFAULT_RULE)
@@ -692,11 +692,23 @@ CASE_KEYS = {
 }
 
 
-def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+def _tensor_parallelism(values: Mapping[str, Any]) -> int:
+    """The tensor axis's size as the ici_/dcn_tensor_parallelism values give it (a fill, -1, counts as 1)."""
+    size = 1
+    for key in ("ici_tensor_parallelism", "dcn_tensor_parallelism"):
+        value = values.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            size *= value
+    return size
+
+
+def layout_neutral(assignments: Mapping[str, str], model: str | None = None) -> tuple[dict[str, str], list[str]]:
     """KEY=VALUE of a `--model` case split into the zoo's settings and MaxText keys that move no layout
     (`ignore` in data/maxtext_keys.yml: `attention=dot_product`, `sa_block_q=256`, ...), which the case
-    takes as MaxText does and drops, as they change none of its documents. Also one note for each that
-    `verify` compiles otherwise (the `compiled` keys)."""
+    takes as MaxText does and drops, as they change none of its documents; any other MaxText key is refused
+    saying why, and so is a case the NNX build asked for places otherwise (`model`: the case's --model,
+    whose decoder block that check reads). Also one note for each that `verify` compiles otherwise (the
+    `compiled` keys)."""
     from sharding_dump.zoo import settings
 
     table = key_table()
@@ -718,9 +730,16 @@ def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list
                                   f"{key}={_text(refusal.supported)})"))
     _refused(problems)
     nnx = any(parse_command_line([f"{k}={assignments[k]}"])[k] is True for k in release.nnx_keys if k in assignments)
-    zero1 = "shard_optimizer_over_data" in assignments and settings.parse_overrides(
-        {"shard_optimizer_over_data": assignments["shard_optimizer_over_data"]})[0][1] is True
-    releases.check_build(release, nnx, zero1)
+    if nnx:
+        given = parse_command_line([f"{k}={v}" for k, v in assignments.items() if table.kind.get(k) == "settings"])
+        block = None
+        if model is not None:
+            from sharding_dump.zoo import cards
+            from sharding_dump.zoo.model_ref import parse_model_ref
+
+            block = cards.load_config(model).decoder_block if parse_model_ref(model).kind != "factory" else None
+        releases.check_build(release, nnx, given.get("shard_optimizer_over_data") is True, block,
+                             _tensor_parallelism(given))
     kept = {k: v for k, v in assignments.items() if table.kind.get(k) not in ("ignore", "refuse")}
     notes = [f"{key}={value}: verify compiles the zoo's step with {key}={_text(table.compiled[key][0])}, so its "
              f"memory and collectives are not those of this value"

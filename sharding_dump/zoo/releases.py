@@ -42,7 +42,7 @@ class Release:
     builds: tuple[str, ...]
     written: str
     nnx_keys: tuple[str, ...]  # MaxText keys choosing its NNX build (any true), where it has two builds
-    nnx_differs: str  # where that build places a ZeRO-1 case otherwise than the Linen build written
+    nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
 
     def bias_is_state(self, model_name: str) -> bool:
         """True when the release keeps the routed `gate/bias` of `model_name` as model state, not a
@@ -65,7 +65,7 @@ def releases() -> dict[str, Release]:
                                tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
                                tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
-                               tuple(raw["builds"]["nnx_keys"]), raw["builds"]["nnx_differs"])
+                               tuple(raw["builds"]["nnx_keys"]), tuple(raw["builds"]["nnx_differs"]))
     return out
 
 
@@ -110,13 +110,23 @@ def missing_model(name: str) -> str | None:
     return None
 
 
-def check_build(rel: Release, nnx: bool, zero1: bool, where: str = "") -> None:
+def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, tensor: int = 1,
+                where: str = "") -> None:
     """BadInput when the MaxText keys ask for the release's NNX build (`nnx`) of a case that build places
-    otherwise than the Linen build sharding-dump writes (ZeRO-1, `zero1`)."""
-    if nnx and zero1 and rel.nnx_keys:
-        raise BadInput(f"{where}shard_optimizer_over_data=true with MaxText {rel.version}'s NNX build "
-                       f"({'/'.join(rel.nnx_keys)} true): {rel.nnx_differs}; sharding-dump writes the Linen build: "
-                       f"give {' '.join(f'{k}=false' for k in rel.nnx_keys)}")
+    otherwise than the Linen build sharding-dump writes (data/maxtext_releases.yml `nnx_differs`: ZeRO-1
+    on, `zero1`; tensor parallelism `tensor` above 1 for a decoder `block` listed)."""
+    if not nnx:
+        return
+    for case in rel.nnx_differs:
+        if case["when"] == "shard_optimizer_over_data" and zero1:
+            what = "shard_optimizer_over_data=true"
+        elif case["when"] == "tensor_parallelism" and tensor > 1 and block in case.get("blocks", ()):
+            what = f"decoder block {block!r} with tensor parallelism {tensor}"
+        else:
+            continue
+        raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build ({'/'.join(rel.nnx_keys)} true): "
+                       f"{case['why']}; sharding-dump writes the Linen build: give "
+                       f"{' '.join(f'{k}=false' for k in rel.nnx_keys)}")
 
 
 def check_model(rel: Release, model_name: str, routed_bias: bool) -> None:

@@ -168,7 +168,8 @@ def test_docs_show_the_refusal_as_printed(tmp_path, capsys):
                  if line.startswith("sharding-dump: error: the command line: quantization"))
     assert cli.main(["--maxtext-config", str(RUN), "quantization=int8", "--golden-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == shown + "\n"
-    assert len(base_keys()) == 696  # the count docs/maxtext/run-configuration.md gives
+    assert len(base_keys()) == 696  # the counts docs/maxtext/run-configuration.md gives
+    assert len(set(base_keys("0.2.5")) - set(base_keys())) == 93
 
 
 def test_refused_key_in_the_run_file_names_the_file(tmp_path, capsys):
@@ -262,11 +263,15 @@ def test_zero1_with_e591f30s_nnx_build_is_refused_and_its_linen_build_taken():
     """base.yml of e591f30 asks for the NNX build, which places ZeRO-1's moments otherwise: refused, and
     taken with the three keys false (the Linen build, as MaxText's own sharding tests run it)."""
     zero1 = ["model_name=llama2-7b", "ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "shard_optimizer_over_data=true"]
-    with pytest.raises(BadInput, match=r"the command line: shard_optimizer_over_data: shard_optimizer_over_data=true with "
+    with pytest.raises(BadInput, match=r"the command line: shard_optimizer_over_data=true with "
                                        r"MaxText 0.2.4's NNX build"):
         read(*zero1, config=BASE, topology="v5p-16")
     linen = read(*zero1, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
     assert dict(linen.overrides)["shard_optimizer_over_data"] is True
+    tensor = ["model_name=qwen3.5-35b-a3b", "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2"]
+    with pytest.raises(BadInput, match=r"decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX"):
+        read(*tensor, config=BASE, topology="v5p-16")
+    assert read(*tensor, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
 
 
 def test_a_cards_settings_are_its_cases_defaults():

@@ -82,7 +82,10 @@ BAD = [
                                                                   "implementation of the model"),
     ("--model qwen3-0.6b ici_data_parallelism=2 shard_optimizer_over_data=true pure_nnx=true",
      "shard_optimizer_over_data=true with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/pure_nnx true): "
-     "MaxText's NNX build adds ZeRO-1's data axis to another dimension"),
+     "its NNX build adds ZeRO-1's data axis to another dimension"),
+    ("--model qwen3.5-35b-a3b ici_fsdp_parallelism=-1 ici_tensor_parallelism=2 pure_nnx=true",
+     "decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/"
+     "pure_nnx true): its NNX build gives qwen3.5's decoder_norm no logical axes"),
 ]
 
 
