@@ -240,7 +240,43 @@ def rules_page() -> str:
         rows = [[f"`{logical}`", _axes(axes)] for logical, axes in data.get("logical_axis_rules", [])]
         if rows:
             parts.append(table(["logical axis", "mesh axes"], rows) + "\n")
+    parts.append(_release_rules())
     return "\n".join(parts)
+
+
+def _release_rules() -> str:
+    """The rule files of each MaxText release with a folder of its own, as differences from the file of
+    the same name in `sharding_dump/rules/` (data/maxtext_releases.yml)."""
+    from sharding_dump.zoo.releases import releases
+    from sharding_dump.zoo.rules import RULES_DIR, rule_names
+
+    parts = []
+    for rel in releases().values():
+        if rel.rules_dir == RULES_DIR:
+            continue
+        folder = rel.rules_dir.relative_to(REPO).as_posix()
+        parts.append(f"## MaxText {rel.version}\n\nWith `maxtext_version={rel.version}` a rule name is looked up in "
+                     f"`{folder}/`: MaxText {rel.version}'s files, each listed here by what it changes in the file of "
+                     "the same name above (a rule added or no longer there).\n")
+        rows = []
+        for name in rule_names(rel.rules_dir):
+            new = [tuple(map(str, r)) for r in _yaml(rel.rules_dir / f"{name}.yml").get("logical_axis_rules", [])]
+            old_path = RULES_DIR / f"{name}.yml"
+            old = [tuple(map(str, r)) for r in _yaml(old_path).get("logical_axis_rules", [])] if old_path.is_file() else None
+            if old is None:
+                rows.append([f"`{name}`", "a new rule file", ""])
+                continue
+            added = [f"`{n}`: {_axes(_yaml_value(a))}" for n, a in new if (n, a) not in old]
+            gone = [f"`{n}`: {_axes(_yaml_value(a))}" for n, a in old if (n, a) not in new]
+            rows.append([f"`{name}`", "<br>".join(added) or "none", "<br>".join(gone) or "none"])
+        parts.append(table(["rule file", "rules added", "rules no longer there"], rows) + "\n")
+    return "\n".join(parts)
+
+
+def _yaml_value(text: str) -> object:
+    """A rule's mesh axes back from their str() form ("['fsdp']" -> ['fsdp'])."""
+    import ast
+    return ast.literal_eval(text) if text.startswith("[") else text
 
 
 def topologies_page() -> str:
@@ -398,6 +434,30 @@ def pinned_table() -> str:
                                                               else f", {versions['jaxlib']}"),
                      versions["flax"], versions["optax"], versions["pytest"], what])
     return table(["file", "Python", "jax, jaxlib", "flax", "optax", "pytest", "what it is"], rows)
+
+
+def releases_table() -> str:
+    """What each MaxText release the zoo builds changes (sharding_dump/data/maxtext_releases.yml), one row each."""
+    from sharding_dump.zoo.releases import releases
+    from sharding_dump.zoo.settings import setting_specs
+
+    default = setting_specs()["maxtext_version"].default
+    rows = []
+    for rel in releases().values():
+        folder = rel.rules_dir.relative_to(REPO).as_posix()
+        axes = ", ".join(f"`{field}`: `{axis}`" for field, axis in rel.model.items()) or "the layers' own"
+        bias = ", ".join(f"`{prefix}*`" for prefix in rel.model_state_bias) or "none"
+        keys = (f"+{len(rel.keys_added)}, -{len(rel.keys_removed)}"
+                + (f" ({', '.join(f'`{k}`' for k in rel.keys_removed)} removed)" if rel.keys_removed else ""))
+        missing = ", ".join(f"`{name}`" for name in rel.models_missing) or "none"
+        rows.append([f"`{rel.version}`" + (" (default)" if rel.version == default else ""), rel.source,
+                     f"`{folder}/`", axes, bias, ", ".join(f"`{b}`" for b in rel.explicit_blocks),
+                     "yes" if rel.zero1_with_fsdp else "refused",
+                     "refused" if rel.kv_heads_atomic else "yes", keys, missing,
+                     f"{', '.join(rel.builds)}; written: {rel.written}"])
+    return table(["`maxtext_version`", "MaxText's code", "rule files", "logical axes", "routed bias as state",
+                  "explicit mode accepts", "ZeRO-1 with FSDP", "a key/value head split", "base.yml keys (vs previous)",
+                  "model configs without a card", "MaxText's builds"], rows)
 
 
 def tpu_temporaries_table(group: str) -> str:
@@ -595,7 +655,8 @@ def output_pages() -> dict[Path, str]:
     """Every hand-written page holding output blocks or counts, filled by running the code now."""
     blocks, counts = outputs()
     raws = {"pinned-versions": pinned_table(), "embed-svg": blocks.pop("embed-svg"),
-            "tpu-temporaries-dense": tpu_temporaries_table("dense"), "tpu-temporaries-moe": tpu_temporaries_table("moe")}
+            "tpu-temporaries-dense": tpu_temporaries_table("dense"), "tpu-temporaries-moe": tpu_temporaries_table("moe"),
+            "maxtext-releases": releases_table()}
     return {path: fill(path.read_text(), blocks, counts, str(path.relative_to(REPO)), raws)
             for path in pages_with_outputs()}
 

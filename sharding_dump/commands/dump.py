@@ -166,6 +166,6 @@ def _use_warnings(case: Case, folder: Path) -> list[str]:
 
     docs = {path.name: codec.read_document(path) for path in sorted(folder.glob("*.json"))}
     layouts = case_layouts(case)[1] if case.model_ref.kind == "factory" else []
-    return rules.use_warnings(rules.load_rule(case.rule), docs, check.lint_settings().known_logical_axes,
+    return rules.use_warnings(case.rule_set(), docs, check.lint_settings().known_logical_axes,
                               batch_fields(case), {t.path for t in layouts if t.source == "type"},
                               {t.path for t in layouts if t.source == "none"})

@@ -29,9 +29,17 @@ def run(args: argparse.Namespace) -> int:
                   f"{t.hbm_bytes_per_device / 2**30:>5.0f} GiB HBM/device")
         print("cpu-N          cpu  any N devices, no HBM limit")
     elif args.what == "rules":
-        from sharding_dump.zoo.rules import load_rule, rule_names
+        from sharding_dump.zoo.releases import SETTING, releases
+        from sharding_dump.zoo.rules import RULES_DIR, load_rule, rule_names
         for name in rule_names():
             print(f"{name:<20} mesh_axes: {', '.join(load_rule(name).mesh_axes)}")
+        for rel in releases().values():  # a release's own files: only a name the folder above lacks is new
+            for name in sorted(set(rule_names(rel.rules_dir)) - set(rule_names())):
+                print(f"{name:<20} mesh_axes: {', '.join(load_rule(name, rel.rules_dir).mesh_axes)} "
+                      f"({SETTING}={rel.version})")
+            if rel.rules_dir != RULES_DIR:
+                print(f"{'':<20} ({SETTING}={rel.version}: every name is MaxText {rel.version}'s file, in "
+                      f"{rel.rules_dir.relative_to(RULES_DIR.parent).as_posix()}/)")
     else:
         from sharding_dump.zoo.settings import format_value, setting_specs
         for key, spec in setting_specs().items():

@@ -25,6 +25,10 @@ _PYTHON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str
 # What the model is built in and how it runs, set by the run (the `weight_dtype` and `sparse_matmul`
 # settings), not by the card.
 NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"), ("sparse_matmul", bool, True))
+# What a MaxText release changes in the layers it builds (the zoo's data/maxtext_releases.yml sets them per
+# release): the logical axis of every attention kernel's embed dimension, and that of the router kernel of
+# MaxText's RoutedAndSharedMoE.
+RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"))
 
 
 def frozen(value: Any) -> Any:
@@ -62,7 +66,7 @@ def _config_class() -> type:
             required.append((name, kind))
         else:
             optional.append((name, kind, dataclasses.field(default=frozen(prop.get("default")))))
-    optional += [(name, kind, dataclasses.field(default=default)) for name, kind, default in NUMERICS]
+    optional += [(name, kind, dataclasses.field(default=default)) for name, kind, default in NUMERICS + RELEASE_FIELDS]
     doc = "A model card's hyperparameters (data/schemas/model-card.schema.json) and its numerics."
     return dataclasses.make_dataclass("ModelConfig", required + optional, bases=(_Derived,), frozen=True,
                                       namespace={"__doc__": doc, "__module__": __name__})

@@ -60,13 +60,13 @@ class Indexer(nn.Module):
         heads, dim = cfg.indexer_n_heads, cfg.indexer_head_dim
         x, low_rank_query = jax.lax.stop_gradient(x), jax.lax.stop_gradient(low_rank_query)
         q = Dense(cfg, (heads, dim), ("q_lora",), ("q_heads", "kv"), name="wq_b")(low_rank_query)
-        k = Dense(cfg, (dim,), ("embed",), ("kv",), name="wk")(x)
+        k = Dense(cfg, (dim,), (cfg.attention_embed_axis,), ("kv",), name="wk")(x)
         k = nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.dtype(cfg.weight_dtype), name="k_norm")(k)
         plain = dataclasses.replace(cfg, rope_interleave=False)  # the indexer rotates half-split pairs
         q = partial_rotary(q, positions, plain)
         k = partial_rotary(k[:, :, None, :], positions, plain)[:, :, 0, :]
         fp32 = dataclasses.replace(cfg, dtype="float32", weight_dtype="float32")  # as MaxText: never low precision
-        weights = Dense(fp32, (heads,), ("embed",), ("q_heads",), name="weights_proj")(x) * heads**-0.5 * dim**-0.5
+        weights = Dense(fp32, (heads,), (cfg.attention_embed_axis,), ("q_heads",), name="weights_proj")(x) * heads**-0.5 * dim**-0.5
         logits = jax.nn.relu(jnp.einsum("bthd,bsd->btsh", q, k.astype(q.dtype)))
         score = jnp.einsum("btsh,bth->bts", logits.astype(jnp.float32), weights)
         length = score.shape[-1]
@@ -96,11 +96,11 @@ class MultiHeadLatentAttention(nn.Module):
         low = None
         head = (cfg.num_query_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         if cfg.q_lora_rank:
-            low = Dense(cfg, (cfg.q_lora_rank,), ("embed",), ("q_lora_up_proj",), name="wq_a")(x)
+            low = Dense(cfg, (cfg.q_lora_rank,), (cfg.attention_embed_axis,), ("q_lora_up_proj",), name="wq_a")(x)
             low = RMSNorm(cfg, name="q_norm")(low)
             q = Dense(cfg, head, ("q_lora",), ("q_heads", "kv"), name="wq_b")(low)
         else:
-            q = Dense(cfg, head, ("embed",), ("q_heads", "kv"), name="query")(x)
+            q = Dense(cfg, head, (cfg.attention_embed_axis,), ("q_heads", "kv"), name="query")(x)
         q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
         q_nope = constrain(q_nope, MLA_QKV, "q_nope")
         q_pe = constrain(apply_rotary(q_pe, positions, cfg), MLA_QKV, "q_pe")
@@ -109,7 +109,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def project_key_value(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        low = Dense(cfg, (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed",), ("kv_lora_up_proj",),
+        low = Dense(cfg, (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), (cfg.attention_embed_axis,), ("kv_lora_up_proj",),
                     name="wkv_a")(x)
         latent, rope_part = jnp.split(low, [cfg.kv_lora_rank], axis=-1)
         latent = RMSNorm(cfg, name="kv_norm")(latent)
@@ -134,7 +134,7 @@ class MultiHeadLatentAttention(nn.Module):
             selected = Indexer(self.cfg, name="indexer")(inputs_q, low_rank_query, positions)
         out = causal_attention(query, key, value, scale=1.0, selected=selected)  # the query carries the scale
         out = constrain(out, MLA_OUT, "out")
-        return Dense(self.cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
+        return Dense(self.cfg, (x.shape[-1],), ("heads", "kv"), (self.cfg.attention_embed_axis,), name="out")(out)
 
 
 class DeepSeekLayer(nn.Module):

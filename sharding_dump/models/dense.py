@@ -88,9 +88,9 @@ class Attention(nn.Module):
         x_q = constrain(x, ATTENTION_INPUT, "inputs_q")
         x_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
         bias = cfg.attention_bias  # on the query, key and value projections only, as MaxText's Qwen2
-        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), bias, name="query")(x_q)
-        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), bias, name="key")(x_kv)
-        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), bias,
+        q = Dense(cfg, (cfg.num_query_heads, head_dim), (cfg.attention_embed_axis,), ("q_heads", "kv"), bias, name="query")(x_q)
+        k = Dense(cfg, (cfg.num_kv_heads, head_dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), bias, name="key")(x_kv)
+        v = Dense(cfg, (cfg.num_kv_heads, head_dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), bias,
                   name="value")(x_kv)
         if cfg.use_qk_norm if self.qk_norm is None else self.qk_norm:
             q = qk_normed(self.cfg, q, "query_norm", self.global_qk_norm)
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window,
                                soft_cap=cfg.attn_logits_soft_cap)
         out = constrain(out, ATTENTION_OUT, "attention_out")
-        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
+        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), (cfg.attention_embed_axis,), name="out")(out)
 
 
 class DecoderLayer(nn.Module):

@@ -53,10 +53,10 @@ class Gemma4Attention(nn.Module):
         kv_heads = cfg.global_num_kv_heads if self.is_global and cfg.global_num_kv_heads else cfg.num_kv_heads
         x_q = constrain(x, ATTENTION_INPUT, "inputs_q")
         x_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
-        q = Dense(cfg, (cfg.num_query_heads, dim), ("embed",), ("q_heads", "kv"), name="query")(x_q)
-        k = Dense(cfg, (kv_heads, dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
+        q = Dense(cfg, (cfg.num_query_heads, dim), (cfg.attention_embed_axis,), ("q_heads", "kv"), name="query")(x_q)
+        k = Dense(cfg, (kv_heads, dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
         v = k if self.is_global and cfg.share_kv_projections else Dense(
-            cfg, (kv_heads, dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
+            cfg, (kv_heads, dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
         q = RMSNorm(cfg, name="query_norm")(q)
         k = RMSNorm(cfg, name="key_norm")(k)
         v = l2_normed(v, cfg)
@@ -71,7 +71,7 @@ class Gemma4Attention(nn.Module):
         window = 0 if self.is_global else cfg.sliding_window_size
         out = causal_attention(q, k, v, scale=1.0, sliding_window=window, soft_cap=cfg.attn_logits_soft_cap)
         out = constrain(out, ATTENTION_OUT, "attention_out")
-        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), name="out")(out)
+        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), (cfg.attention_embed_axis,), name="out")(out)
 
 
 class SharedAndRoutedExperts(nn.Module):
@@ -80,7 +80,7 @@ class SharedAndRoutedExperts(nn.Module):
     cfg: ModelConfig
 
     def setup(self) -> None:
-        self.MoeBlock_0 = RoutedExperts(self.cfg, gate_embed_axis="embed_moe", expert_scale=True)
+        self.MoeBlock_0 = RoutedExperts(self.cfg, gate_embed_axis=self.cfg.router_embed_axis, expert_scale=True)
         self.shared_experts = MlpBlock(self.cfg, self.cfg.shared_experts * self.cfg.mlp_dim)
 
     def shared(self, x: jax.Array) -> jax.Array:

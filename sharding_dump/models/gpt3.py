@@ -61,11 +61,11 @@ class Gpt3Attention(nn.Module):
         cfg = self.cfg
         head_dim = cfg.resolved_head_dim
         x = constrain(x, INPUT, "inputs_q")
-        qkv = Dense(cfg, (3, cfg.num_query_heads, head_dim), ("embed",), ("qkv", "heads", "kv"), True,
+        qkv = Dense(cfg, (3, cfg.num_query_heads, head_dim), (cfg.attention_embed_axis,), ("qkv", "heads", "kv"), True,
                     name="qkv_proj")(x)
         q, k, v = (constrain(qkv[:, :, i], HEADS, name) for i, name in enumerate(("query", "key", "value")))
         out = constrain(causal_attention(q, k, v, scale=head_dim**-0.5), HEADS, "attention_out")
-        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), True, name="out")(out)
+        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), (cfg.attention_embed_axis,), True, name="out")(out)
 
 
 class Gpt3Mlp(nn.Module):

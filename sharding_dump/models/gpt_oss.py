@@ -39,10 +39,10 @@ class GptOssAttention(nn.Module):
         head_dim, bias = cfg.resolved_head_dim, cfg.attention_bias
         inputs_q = constrain(x, ATTENTION_INPUT, "inputs_q")
         inputs_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
-        q = Dense(cfg, (cfg.num_query_heads, head_dim), ("embed",), ("q_heads", "kv"), bias, name="query")(inputs_q)
-        k = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), bias,
+        q = Dense(cfg, (cfg.num_query_heads, head_dim), (cfg.attention_embed_axis,), ("q_heads", "kv"), bias, name="query")(inputs_q)
+        k = Dense(cfg, (cfg.num_kv_heads, head_dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), bias,
                   name="key")(inputs_kv)
-        v = Dense(cfg, (cfg.num_kv_heads, head_dim), ("embed",), ("kv_heads", "kv_head_dim"), bias,
+        v = Dense(cfg, (cfg.num_kv_heads, head_dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), bias,
                   name="value")(inputs_kv)
         q = constrain(apply_rotary(q, positions, cfg), QKV, "query")
         k = constrain(apply_rotary(k, positions, cfg), QKV, "key")
@@ -52,7 +52,7 @@ class GptOssAttention(nn.Module):
             sinks = weight_param(self, "sinks", (cfg.num_query_heads,), (None,), cfg, nn.initializers.zeros)
         out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window, sinks=sinks)
         out = constrain(out, ATTENTION_OUT, "out")
-        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), ("embed",), bias, name="out")(out)
+        return Dense(cfg, (x.shape[-1],), ("heads", "kv"), (cfg.attention_embed_axis,), bias, name="out")(out)
 
 
 class GptOssLayer(nn.Module):

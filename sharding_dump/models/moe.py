@@ -173,7 +173,7 @@ class RoutedAndSharedExperts(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        out = RoutedExperts(cfg, gate_embed_axis="embed_moe", name="MoeBlock_0")(x)
+        out = RoutedExperts(cfg, gate_embed_axis=cfg.router_embed_axis, name="MoeBlock_0")(x)
         if cfg.shared_experts:
             out = out + MlpBlock(cfg, cfg.shared_experts * cfg.moe_mlp_dim, name="shared_experts")(x)
         return out

@@ -72,8 +72,8 @@ class GatedDeltaNet(nn.Module):
         nk, nv, dk, dv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
         key_dim, value_dim = nk * dk, nv * dv
         batch, length, _ = x.shape
-        qkvz = Dense(cfg, (2 * key_dim + 2 * value_dim,), ("embed",), ("gdn_head",), name="in_proj_qkvz")(x)
-        ba = Dense(cfg, (2 * nv,), ("embed",), ("gdn_head",), name="in_proj_ba")(x)
+        qkvz = Dense(cfg, (2 * key_dim + 2 * value_dim,), (cfg.attention_embed_axis,), ("gdn_head",), name="in_proj_qkvz")(x)
+        ba = Dense(cfg, (2 * nv,), (cfg.attention_embed_axis,), ("gdn_head",), name="in_proj_ba")(x)
         per_k = nv // nk
         q, k, v, z = jnp.split(qkvz.reshape(batch, length, nk, -1), [dk, 2 * dk, 2 * dk + per_k * dv], axis=-1)
         b, a = jnp.split(ba.reshape(batch, length, nk, 2 * per_k), [per_k], axis=-1)
@@ -92,7 +92,7 @@ class GatedDeltaNet(nn.Module):
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.reshape(batch, length, nv) + dt_bias)
         out = gated_delta_rule(q * dk**-0.5, k, v, g, jax.nn.sigmoid(b.reshape(batch, length, nv)))
         out = GatedRMSNorm(cfg, name="norm")(out.astype(jnp.dtype(cfg.dtype)), z.reshape(batch, length, nv, dv))
-        return Dense(cfg, (x.shape[-1],), ("gdn_head",), ("embed",), name="out_proj")(out.reshape(batch, length, -1))
+        return Dense(cfg, (x.shape[-1],), ("gdn_head",), (cfg.attention_embed_axis,), name="out_proj")(out.reshape(batch, length, -1))
 
 
 class GatedRMSNorm(nn.Module):
@@ -118,10 +118,10 @@ class GatedAttention(nn.Module):
         dim = cfg.resolved_head_dim
         x_q = constrain(x, ATTENTION_INPUT, "inputs_q")
         x_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
-        q_gate = Dense(cfg, (cfg.num_query_heads, 2 * dim), ("embed",), ("q_heads", "kv"), name="query")(x_q)
+        q_gate = Dense(cfg, (cfg.num_query_heads, 2 * dim), (cfg.attention_embed_axis,), ("q_heads", "kv"), name="query")(x_q)
         q, gate = jnp.split(q_gate, 2, axis=-1)
-        k = Dense(cfg, (cfg.num_kv_heads, dim), ("embed",), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
-        v = Dense(cfg, (cfg.num_kv_heads, dim), ("embed",), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
+        k = Dense(cfg, (cfg.num_kv_heads, dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), name="key")(x_kv)
+        v = Dense(cfg, (cfg.num_kv_heads, dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), name="value")(x_kv)
         q = RMSNorm(cfg, UNNAMED, name="query_norm")(q)
         k = RMSNorm(cfg, UNNAMED, name="key_norm")(k)
         rotated = int(dim * cfg.partial_rotary_factor)
@@ -132,7 +132,7 @@ class GatedAttention(nn.Module):
         # constrains the output before the gate.
         out = constrain(causal_attention(q, k, v, scale=dim**-0.5), OUTPUT, "attention_out") * jax.nn.sigmoid(gate)
         flat = out.reshape(out.shape[:2] + (-1,))
-        return Dense(cfg, (x.shape[-1],), ("mlp",), ("embed",), name="out")(flat)
+        return Dense(cfg, (x.shape[-1],), ("mlp",), (cfg.attention_embed_axis,), name="out")(flat)
 
 
 class FullAttention(nn.Module):

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import NOT_MODEL_FIELDS, NUMERICS, ModelConfig, default_of, frozen, is_default
+from sharding_dump.models.config import (NOT_MODEL_FIELDS, NUMERICS, RELEASE_FIELDS, ModelConfig, default_of, frozen,
+                                          is_default)
 from sharding_dump.resources import DATA_DIR, MODELS_DIR, load_yaml, validate
 from sharding_dump.zoo.settings import parse_overrides
 
@@ -224,6 +225,10 @@ def resolve_model(ref: str) -> tuple[str, Path]:
     if not is_card_path(ref):
         cards = card_files()
         if ref not in cards:
+            from sharding_dump.zoo.releases import missing_model
+
+            if missing_model(ref) is not None:
+                raise BadInput(f"model {ref!r}: {missing_model(ref)}")
             close = difflib.get_close_matches(ref, sorted(cards), n=3, cutoff=0.5)
             hint = f" (closest: {', '.join(close)})" if close else ""
             raise BadInput(f"unknown model {ref!r}: valid models are the {len(cards)} cards `sharding-dump list "
@@ -344,7 +349,7 @@ def check_card_consistency(card: dict[str, Any], where: str) -> None:
 def load_config(ref: str, **run_settings: Any) -> ModelConfig:
     """The ModelConfig of a card (by name or path), with run settings (e.g. weight_dtype) applied."""
     data = {field: frozen(value) for field, value in load_card(ref).items() if field not in NOT_MODEL_FIELDS}
-    numerics = {name: run_settings[name] for name, _, _ in NUMERICS if name in run_settings}
+    numerics = {name: run_settings[name] for name, _, _ in NUMERICS + RELEASE_FIELDS if name in run_settings}
     return ModelConfig(**data, **numerics)
 
 

@@ -20,7 +20,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Mapping
 
-from sharding_dump.zoo import rules, settings, topology
+from sharding_dump.zoo import releases, rules, settings, topology
 from sharding_dump.zoo.model_ref import ModelRef, parse_model_ref
 
 MAX_NAME_CHARS = 230  # of a case folder name: its temp twin (".<name>.new-<pid>-<8 hex>") stays within 255 bytes
@@ -51,13 +51,25 @@ class Case:
             model, rule = table.resolve("model", model), table.resolve("rule", rule)
         parse_model_ref(model)
         topology.load_topology(topology_name, num_slices)
-        rules.rule_path(rule)
-        return cls(model, topology_name, rule, num_slices, settings.parse_overrides(overrides or {}))
+        parsed = settings.parse_overrides(overrides or {})
+        # The default release needs no mention: its cases keep the folder names they had before releases.
+        parsed = tuple((k, v) for k, v in parsed if (k, v) != (releases.SETTING, settings.value_of({}, releases.SETTING)))
+        rules.rule_path(rule, releases.release_of(dict(parsed)).rules_dir)
+        return cls(model, topology_name, rule, num_slices, parsed)
 
     @property
     def model_ref(self) -> ModelRef:
         """What the model name refers to: a card or a factory in the user's code."""
         return parse_model_ref(self.model)
+
+    @property
+    def release(self) -> releases.Release:
+        """The MaxText release the case builds (its `maxtext_version`)."""
+        return releases.release_of(dict(self.overrides))
+
+    def rule_set(self) -> rules.RuleSet:
+        """The case's rule file, a name looked up among its MaxText release's rule files."""
+        return rules.load_rule(self.rule, self.release.rules_dir)
 
     @property
     def rule_name(self) -> str:

@@ -33,7 +33,7 @@ from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, ProgramLayoutWarning, UnevenSplitWarning
 from sharding_dump.golden import codec
 from sharding_dump.models.pipeline import PipelineConfig
-from sharding_dump.zoo import cards, optimizers, rules, serving, settings, state
+from sharding_dump.zoo import cards, optimizers, releases, rules, serving, settings, state
 from sharding_dump.zoo.batch import BatchPlan, plan_batch
 from sharding_dump.zoo.cards import card_path
 from sharding_dump.zoo.case import Case
@@ -88,7 +88,7 @@ class CaseSetup:
 def setup_case(case: Case) -> CaseSetup:
     """Resolves topology, rules, settings, mesh and model config; BadInput on anything invalid."""
     topology = load_topology(case.topology, case.num_slices)
-    rule_set = rules.load_rule(case.rule)
+    rule_set = case.rule_set()
     mesh_defaults = rule_set.mesh_settings_for(topology.name)
     card_defaults = cards.card_settings(case.model) if case.model_ref.kind != "factory" else {}
     values = settings.resolve(case.overrides, card_defaults, mesh_defaults)
@@ -100,7 +100,8 @@ def setup_case(case: Case) -> CaseSetup:
         _check_factory_settings(case, values, plan)
     else:
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"])
+                                   sparse_matmul=values["sparse_matmul"], **case.release.model)
+        releases.check_model(case.release, config.name, config.routed_bias)
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:
@@ -110,6 +111,7 @@ def setup_case(case: Case) -> CaseSetup:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
     optimizers.check(values, config.decoder_block if config is not None else None, case.model)
+    releases.check_case(case.release, values, config, plan.sizes, _kv_head_axes(config, rule_set))
     optimizers.case_optimizer(values)  # a user's optimizer that cannot be built fails here, before any trace
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
@@ -118,6 +120,16 @@ def setup_case(case: Case) -> CaseSetup:
     if setup.explicit:
         _check_even_splits(setup)
     return setup
+
+
+def _kv_head_axes(config: models.ModelConfig | None, rule_set: rules.RuleSet) -> tuple[str, ...]:
+    """The mesh axes the rules place the kv_heads dimension of a key projection on (MaxText's kernel axes
+    (embed, kv_heads, kv_head_dim)); () for a user's model."""
+    if config is None:
+        return ()
+    from sharding_dump.core.layout import resolve
+
+    return specs.entry_axes(resolve((config.attention_embed_axis, "kv_heads", "kv_head_dim"), rule_set)[1])
 
 
 # Settings that only a built-in model (built from a card) can honour.

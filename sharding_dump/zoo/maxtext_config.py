@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 from sharding_dump.core.specs import entry_axes
 from sharding_dump.errors import BadInput, one_line, shown
 from sharding_dump.resources import DATA_DIR, YAML_MAX_BYTES, load_yaml, parse_yaml, read_text, validate
+from sharding_dump.zoo import releases
 
 if TYPE_CHECKING:  # imported when a case is made: composing a configuration needs neither jax nor flax
     from omegaconf import DictConfig
@@ -425,11 +426,32 @@ def _refused(problems: list[tuple[str, str]]) -> None:
         raise BadInput(problems[0][1] + more)
 
 
-def _check_known(composed: Composed, table: KeyTable) -> None:
+def _check_known(composed: Composed, table: KeyTable, release: releases.Release) -> None:
     unknown = [key for key in composed.values if key not in table.kind]
     _refused([(key, f"{composed.where(key)}: not a MaxText key that sharding-dump knows ({_display(KEYS_FILE)} lists "
-              f"MaxText {table.commit}'s): a key it does not know could move a layout, so it is refused, "
-              f"not ignored") for key in unknown])
+              f"MaxText {table.commit}'s and those of the releases in {_display(releases.RELEASES_FILE)}): a key it "
+              f"does not know could move a layout, so it is refused, not ignored") for key in unknown])
+    others = [key for key in composed.values if key not in releases.keys_of(release.version, set(table.kind))]
+    _refused([(key, f"{composed.where(key)}: not a key of MaxText {release.version}, whose keys the rest of the "
+              f"configuration has ({_display(releases.RELEASES_FILE)})") for key in others])
+
+
+def release_of(composed: Composed, table: KeyTable) -> releases.Release:
+    """The MaxText release whose base.yml the configuration composes: the one whose keys hold every known
+    key of it (a key only a later release has, or one it removed, tells them apart; when the keys fit
+    several, the `maxtext_version` default). A configuration mixing two releases' keys is refused."""
+    from sharding_dump.zoo import settings
+
+    known = {key for key in composed.values if key in table.kind}
+    fits = [rel for rel in releases.releases().values() if known <= releases.keys_of(rel.version, set(table.kind))]
+    if not fits:
+        marks = {rel.version: sorted(known & set(rel.keys_added) or known & set(rel.keys_removed))[:1]
+                 for rel in releases.releases().values() if known & set(rel.keys_added + rel.keys_removed)}
+        raise BadInput(f"the MaxText configuration mixes keys of different releases "
+                       f"({'; '.join(f'{v}: {k[0]}' for v, k in marks.items() if k)}); compose it from one "
+                       f"release's base.yml ({_display(releases.RELEASES_FILE)})")
+    default = str(settings.value_of({}, releases.SETTING))
+    return next((rel for rel in fits if rel.version == default), fits[-1])
 
 
 def _zoo_value(config: ModelConfig, field: str) -> Any:
@@ -613,33 +635,43 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
             resolve: Resolve | None = None, environ: Mapping[str, str] | None = None) -> MaxTextCase:
     """The case of a composed configuration, every key checked (BadInput on the first refused one).
     `resolve(field, name)` maps model and rule names (a project's card and rule folders)."""
-    from sharding_dump.zoo import cards, rules
+    from sharding_dump.zoo import cards, rules, settings
     from sharding_dump.zoo.case import Case
 
     resolve = resolve or (lambda field, ref: ref)
     table = key_table()
-    _check_known(composed, table)
+    release = release_of(composed, table)
+    _check_known(composed, table, release)
     name = model_name_of(composed.values)
     if name == "default":
         raise BadInput(f"{composed.where('model_name')}: {shown(composed.values.get('model_name', 'default'))}: "
                        f"MaxText's base model has no card; set model_name to a model card "
                        f"(sharding-dump list models)")
+    missing = releases.missing_model(name)
+    if missing is not None:
+        raise BadInput(f"{composed.where('model_name')}: {missing}")
     model_ref = resolve("model", name)
     try:
         card, _ = cards.resolve_model(model_ref)
-        config = cards.load_config(model_ref)
+        config = cards.load_config(model_ref, **release.model)
+        releases.check_model(release, config.name, config.routed_bias)
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
+    releases.check_build(release, any(composed.values.get(key) is True for key in release.nnx_keys),
+                         composed.values.get("shard_optimizer_over_data") is True, config.decoder_block,
+                         _tensor_parallelism(composed.values), f"{composed.origins.get('model_name', COMMAND_LINE)}: ")
     _check_refused(composed, table, config)
     _check_model(composed, table, card, config)
     rule_ref = resolve("rule", composed.values.get("custom_mesh_and_rule") or DEFAULT_RULE)
     try:
-        rule_set = rules.load_rule(rule_ref)
+        rule_set = rules.load_rule(rule_ref, release.rules_dir)
     except BadInput as err:
         raise BadInput(f"{composed.where('custom_mesh_and_rule')}: {err}") from None
     rule_set = rules.with_overrides(rule_set, config.logical_axis_rules)
     _check_rule(composed, rule_set, maxtext_configs_dir(environ), card)
     overrides = _settings(composed, table)
+    if release.version != settings.value_of({}, releases.SETTING):
+        overrides[releases.SETTING] = release.version
     topology, num_slices = _topology(composed, topology, num_slices)
     notes = tuple(f"{composed.where(key)}: {_text(composed.values[key])}: verify compiles the zoo's step with "
                   f"{key}={_text(value)}, so its memory and collectives are not those of this value"
@@ -649,13 +681,66 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
     return MaxTextCase(Case.make(model_ref, topology, rule_ref, num_slices, overrides, project=False), notes)
 
 
-def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+# MaxText keys that name what a `--model` case names otherwise (by kind of data/maxtext_keys.yml).
+CASE_KEYS = {
+    "compose": "composes a MaxText configuration: give the configuration with --maxtext-config",
+    "topology": "the topology and slices of a --model case are --topology and --num-slices",
+    "rule": "the rules of a --model case are its --rule file (or take them from a MaxText configuration with "
+            "--maxtext-config)",
+    "model": "a hyperparameter of the model: a --model case builds its card's (write a card, or take the model "
+             "from a MaxText configuration with --maxtext-config)",
+}
+
+
+def _tensor_parallelism(values: Mapping[str, Any]) -> int:
+    """The tensor axis's size as the ici_/dcn_tensor_parallelism values give it (a fill, -1, counts as 1)."""
+    size = 1
+    for key in ("ici_tensor_parallelism", "dcn_tensor_parallelism"):
+        value = values.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            size *= value
+    return size
+
+
+def layout_neutral(assignments: Mapping[str, str], model: str | None = None) -> tuple[dict[str, str], list[str]]:
     """KEY=VALUE of a `--model` case split into the zoo's settings and MaxText keys that move no layout
     (`ignore` in data/maxtext_keys.yml: `attention=dot_product`, `sa_block_q=256`, ...), which the case
-    takes as MaxText does and drops, as they change none of its documents. Also one note for each that
-    `verify` compiles otherwise (the `compiled` keys)."""
+    takes as MaxText does and drops, as they change none of its documents; any other MaxText key is refused
+    saying why, and so is a case the NNX build asked for places otherwise (`model`: the case's --model,
+    whose decoder block that check reads). Also one note for each that `verify` compiles otherwise (the
+    `compiled` keys)."""
+    from sharding_dump.zoo import settings
+
     table = key_table()
-    kept = {k: v for k, v in assignments.items() if table.kind.get(k) != "ignore"}
+    release = releases.release(assignments.get(releases.SETTING, str(settings.value_of({}, releases.SETTING))))
+    keys = releases.keys_of(release.version, set(table.kind))
+    problems = []
+    for key, value in assignments.items():
+        kind = table.kind.get(key)
+        if kind is None or kind == "settings":
+            continue  # a setting of the zoo's, or unknown: the settings say
+        if key not in keys:
+            problems.append((key, f"{key}={value}: not a key of MaxText {release.version} ({releases.SETTING}="
+                                  f"{release.version}; {_display(releases.RELEASES_FILE)})"))
+        elif kind in CASE_KEYS:
+            problems.append((key, f"{key}={value}: {CASE_KEYS[kind]}"))
+        elif kind == "refuse" and not same(parse_command_line([f"{key}={value}"])[key], table.refuse[key].supported):
+            refusal = table.refuse[key]
+            problems.append((key, f"{key}={value}: not supported: {refusal.why} (the zoo builds "
+                                  f"{key}={_text(refusal.supported)})"))
+    _refused(problems)
+    nnx = any(parse_command_line([f"{k}={assignments[k]}"])[k] is True for k in release.nnx_keys if k in assignments)
+    if nnx:
+        given = parse_command_line([f"{k}={v}" for k, v in assignments.items() if table.kind.get(k) == "settings"])
+        block = None
+        if model is not None:
+            from sharding_dump.zoo import cards
+            from sharding_dump.zoo.model_ref import parse_model_ref
+
+            block = cards.load_config(model).decoder_block if parse_model_ref(model).kind != "factory" else None
+        releases.check_build(release, nnx, given.get("shard_optimizer_over_data") is True, block,
+                             _tensor_parallelism(given))
+    kept = {k: v for k, v in assignments.items() if table.kind.get(k) not in ("ignore", "refuse")}
     notes = [f"{key}={value}: verify compiles the zoo's step with {key}={_text(table.compiled[key][0])}, so its "
              f"memory and collectives are not those of this value"
              for key, value in assignments.items() if key in table.compiled and key not in kept

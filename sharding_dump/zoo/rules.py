@@ -28,6 +28,7 @@ from sharding_dump.golden.diff import slot_parameter
 from sharding_dump.golden.engine import display
 from sharding_dump.resources import (RULES_DIR, YAML_MAX_BYTES, item_lines, parse_yaml, read_text, validate,
                                      yaml_item_lines)
+from sharding_dump.zoo import releases
 from sharding_dump.zoo import settings as settings_mod
 
 MeshAxes = str | tuple[str, ...] | None
@@ -62,9 +63,9 @@ class RuleSet:
         return {}
 
 
-def rule_names() -> list[str]:
-    """The rule files shipped with the package."""
-    return sorted(p.stem for p in RULES_DIR.glob("*.yml"))
+def rule_names(folder: Path = RULES_DIR) -> list[str]:
+    """The rule files shipped with the package (`folder`: a MaxText release's, data/maxtext_releases.yml)."""
+    return sorted(p.stem for p in folder.glob("*.yml"))
 
 
 def is_rule_path(ref: str) -> bool:
@@ -80,23 +81,27 @@ def rule_name(ref: str) -> str:
     return name
 
 
-def rule_path(ref: str) -> Path:
-    """The file behind a rule reference; unknown names are BadInput."""
+def rule_path(ref: str, folder: Path = RULES_DIR) -> Path:
+    """The file behind a rule reference (a name: in `folder`, a MaxText release's rule files); unknown
+    names are BadInput."""
     if is_rule_path(ref):
         if not ref.endswith((".yml", ".yaml")):
             raise BadInput(f"rule file {ref}: a rule file path must end in .yml or .yaml")
         rule_name(ref)
         return Path(ref)
-    if ref not in rule_names():
-        raise BadInput(f"unknown rule {ref!r}: valid rules are {', '.join(rule_names())} or a path to a .yml file")
-    return RULES_DIR / f"{ref}.yml"
+    if ref not in rule_names(folder):
+        names = ", ".join(rule_names(folder))
+        other = [r.version for r in releases.releases().values() if ref in rule_names(r.rules_dir)]
+        known = f" (a rule of MaxText {', '.join(other)}: give {releases.SETTING}={other[-1]})" if other else ""
+        raise BadInput(f"unknown rule {ref!r}{known}: valid rules are {names} or a path to a .yml file")
+    return folder / f"{ref}.yml"
 
 
-def load_rule(ref: str) -> RuleSet:
+def load_rule(ref: str, folder: Path = RULES_DIR) -> RuleSet:
     """Loads, schema-checks and cross-checks the rule file `ref` (a name or a path). The file is read
     every time; what its text gives is checked once per process (a test session or `--all` loads the
     same few files for every case, and the schema check is most of the cost)."""
-    path = rule_path(ref)
+    path = rule_path(ref, folder)
     return _rule_set(rule_name(ref), path, read_text(path, "rule file", YAML_MAX_BYTES))
 
 
@@ -190,9 +195,9 @@ def _partition_rules(path: Path, text: str, entries: list[Any], mesh_axes: tuple
 
 
 def is_base_rule(rule_set: RuleSet) -> bool:
-    """True for the packaged `default` rule file: MaxText's base rules, the only ones a model card's
-    rules are merged into (any other rule file replaces the rules wholesale)."""
-    return rule_set.path.resolve() == (RULES_DIR / f"{BASE_RULE}.yml").resolve()
+    """True for a packaged `default` rule file (of any MaxText release): MaxText's base rules, the only
+    ones a model card's rules are merged into (any other rule file replaces the rules wholesale)."""
+    return rule_set.path.resolve() in {(folder / f"{BASE_RULE}.yml").resolve() for folder in releases.rule_dirs()}
 
 
 def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source: Path | None = None) -> RuleSet:

@@ -91,9 +91,12 @@ def _registry() -> tuple[tuple[ParallelismAxis, ...], dict[str, SettingSpec], Li
                 minimum=-1, maximum=limits.max_parallelism)
     for key, raw in data["settings"].items():
         low, high = {"int": limits.int_range, "float": limits.float_range}.get(raw["type"], (None, None))
+        choices = raw.get("choices", ())
+        if isinstance(choices, str):  # a data file whose `releases` name the choices (written there once)
+            choices = load_yaml(DATA_DIR / choices, "data file")["releases"]
         specs[key] = SettingSpec(
             key, raw["type"], raw["default"], raw["help"],
-            tuple(raw.get("choices", ())), raw.get("minimum", low), raw.get("maximum", high))
+            tuple(choices), raw.get("minimum", low), raw.get("maximum", high))
     for key, spec in specs.items():
         try:
             _parse(spec, spec.default)

@@ -131,6 +131,14 @@ def test_list_models_prints_parameter_counts(monkeypatch, capsys):
     assert lines[2].startswith("decoder blocks: ") and "deepseek" in lines[2]
 
 
+def test_list_rules_names_a_later_releases_own_rules(capsys):
+    """A rule file only MaxText 0.2.5 has is listed with the setting that takes it."""
+    assert main(["list", "rules"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "cp-as-ep"
+    assert "fsdp-as-dp-for-attn  mesh_axes: data, fsdp, fsdp_transpose, expert (maxtext_version=0.2.5)" in lines
+
+
 def test_sixteen_thousand_devices(tmp_path):
     assert main(["--model", "llama2-7b", "--topology", "tpu7x-16384", "--rule", "default",
                  "ici_fsdp_parallelism=-1", "--output-dir", str(tmp_path)]) == 0

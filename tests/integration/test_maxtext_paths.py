@@ -20,12 +20,15 @@ from sharding_dump.core.specs import leaf_path
 
 MAXTEXT = REPO / "tests" / "data" / "maxtext"
 PIPELINES = MAXTEXT / "pipelines"
+# MaxText 0.2.5's dumps are of its NNX build, which names its leaves otherwise (model/..., optimizer/...);
+# tests/integration/test_maxtext_releases.py reads them with compare_maxtext.py --nnx.
+NNX_BUILD_DUMPS = MAXTEXT / "releases"
 NAMED, LOGICAL = "named_shardings.json", "logical_shardings.json"
 
 
 def dump_folders(root: Path) -> list[Path]:
     """Every MaxText dump folder under `root` (`<model>/<topology>/slice_<n>/rule_...`)."""
-    found = sorted(p.parent for p in root.rglob(NAMED))
+    found = sorted(p.parent for p in root.rglob(NAMED) if NNX_BUILD_DUMPS not in p.parents)
     if not found:
         pytest.fail(f"MaxText sharding dumps not found under {root}", pytrace=False)
     return found

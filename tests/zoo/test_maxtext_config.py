@@ -20,14 +20,16 @@ import yaml
 from helpers import REPO, sweep_beyond_first, tree_bytes
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import NUMERICS, ModelConfig
-from sharding_dump.zoo import cards, maxtext_config, settings
+from sharding_dump.models.config import NUMERICS, RELEASE_FIELDS, ModelConfig
+from sharding_dump.zoo import cards, maxtext_config, releases, settings
 from sharding_dump.zoo import cards as card_registry
 from sharding_dump.zoo.cards import load_card
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.matrix import load_matrix
 
 CONFIGS = REPO / "tests" / "data" / "maxtext" / "configs"
+# MaxText's configuration files of each release data/maxtext_releases.yml names.
+RELEASE_CONFIGS = {"0.2.4": CONFIGS, "0.2.5": REPO / "tests" / "data" / "maxtext" / "configs-0.2.5"}
 RUN = REPO / "tests" / "data" / "maxtext" / "runs" / "llama2-7b-v5p-16.yml"
 BASE = CONFIGS / "base.yml"
 # Keys of MaxText's configuration that are not in base.yml: base_config (read by pyconfig itself),
@@ -47,8 +49,8 @@ def maxtext_installed(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def base_keys() -> dict:
-    return yaml.safe_load(BASE.read_text())
+def base_keys(version: str = "0.2.4") -> dict:
+    return yaml.safe_load((RELEASE_CONFIGS[version] / "base.yml").read_text())
 
 
 def read(*command_line: str, config: Path = RUN, **kwargs) -> Case:
@@ -63,9 +65,12 @@ def run_file(tmp_path: Path, text: str, name: str = "run.yml") -> Path:
 
 # --- the key list ----------------------------------------------------------------------------------
 
-def test_every_key_of_maxtexts_base_yml_is_classified_and_nothing_else():
+@pytest.mark.parametrize("version", sorted(RELEASE_CONFIGS))
+def test_every_key_of_maxtexts_base_yml_is_classified_and_nothing_else(version):
+    """Each release's base.yml: its keys are the key list's less those another release adds or removes."""
+    assert set(RELEASE_CONFIGS) == set(releases.releases())
     table = maxtext_config.key_table()
-    assert set(base_keys()) == set(table.kind) - BEYOND_BASE
+    assert set(base_keys(version)) == releases.keys_of(version, set(table.kind)) - BEYOND_BASE
     assert BEYOND_BASE <= set(table.kind)
 
 
@@ -73,7 +78,9 @@ def test_every_setting_of_the_package_is_honoured_under_maxtexts_name():
     table = maxtext_config.key_table()
     honoured = {k for k, kind in table.kind.items() if kind == "settings"}
     # a reference setting names a function of the user's own (optimizer=): MaxText has no such key
-    known = {key for key, spec in settings.setting_specs().items() if spec.type != "reference"}
+    # maxtext_version chooses the release itself (data/maxtext_releases.yml): MaxText has no such key
+    known = {key for key, spec in settings.setting_specs().items()
+             if spec.type != "reference" and key != releases.SETTING}
     assert known <= honoured, f"settings with no MaxText key: {sorted(known - honoured)}"
     assert all(settings.spec_for(key) is not None for key in honoured)
 
@@ -84,7 +91,8 @@ def test_every_model_card_field_is_a_classified_maxtext_key():
     table = maxtext_config.key_table()
     by_field = {spec.field: key for key, spec in table.model.items()}
     rules = {"logical_axis_rules"}
-    run_settings = {name for name, _, _ in NUMERICS}  # set by the run (settings), not by the card
+    # set by the run (settings) or by the MaxText release, not by the card
+    run_settings = {name for name, _, _ in NUMERICS + RELEASE_FIELDS}
     for field in {f.name for f in dataclasses.fields(ModelConfig)} - ZOO_ONLY_FIELDS - rules - run_settings:
         key = by_field.get(field, field)
         assert key in table.kind, f"card field {field} is no key of data/maxtext_keys.yml"
@@ -97,14 +105,16 @@ def test_a_model_key_without_a_neutral_value_is_a_field_every_block_builds():
     assert {spec.field for spec in table.model.values() if not spec.has_neutral} <= common
 
 
-def test_maxtexts_defaults_are_never_refused():
-    """base.yml's own value of every refused or model key is one the zoo builds."""
-    base = base_keys()
+@pytest.mark.parametrize("version", sorted(RELEASE_CONFIGS))
+def test_maxtexts_defaults_are_never_refused(version):
+    """Each release's base.yml's own value of every refused or model key is one the zoo builds."""
+    base = base_keys(version)
     table = maxtext_config.key_table()
     for key, refusal in table.refuse.items():
-        assert maxtext_config.same(base[key], refusal.supported), key
+        if key in base:
+            assert maxtext_config.same(base[key], refusal.supported), key
     for key, spec in table.model.items():
-        if spec.has_neutral:
+        if spec.has_neutral and key in base:
             assert maxtext_config.same(base[key], spec.neutral), key
 
 
@@ -159,7 +169,8 @@ def test_docs_show_the_refusal_as_printed(tmp_path, capsys):
                  if line.startswith("sharding-dump: error: the command line: quantization"))
     assert cli.main(["--maxtext-config", str(RUN), "quantization=int8", "--golden-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == shown + "\n"
-    assert len(base_keys()) == 696  # the count docs/maxtext/run-configuration.md gives
+    assert len(base_keys()) == 696  # the counts docs/maxtext/run-configuration.md gives
+    assert len(set(base_keys("0.2.5")) - set(base_keys())) == 93
 
 
 def test_refused_key_in_the_run_file_names_the_file(tmp_path, capsys):
@@ -227,6 +238,41 @@ def test_every_card_composes_from_maxtexts_model_config(card):
     `settings`."""
     case = read(f"model_name={card}", config=BASE, topology="v5p-16")
     assert case == Case.make(card, "v5p-16", "default", overrides=cards.card_settings(card))
+
+
+@pytest.mark.parametrize("card", sweep_beyond_first(cards.model_names(), lambda name: cards.load_config(name).decoder_block))
+def test_every_card_composes_from_maxtext_025s_model_config(card, monkeypatch):
+    """MaxText 0.2.5's base.yml + models/<card>.yml is the card built as 0.2.5 (`maxtext_version=0.2.5`),
+    or refused in one line when 0.2.5 builds it otherwise than the zoo can (a routed bias kept as state)."""
+    configs = RELEASE_CONFIGS["0.2.5"]
+    monkeypatch.setenv("MAXTEXT_CONFIGS_DIR", str(configs))
+    rel = releases.release("0.2.5")
+    if cards.load_config(card).routed_bias and rel.bias_is_state(card):
+        with pytest.raises(BadInput, match=f"model {card!r}: MaxText 0.2.5 keeps its routed gate/bias as model state"):
+            read(f"model_name={card}", config=configs / "base.yml", topology="v5p-16")
+        return
+    case = read(f"model_name={card}", config=configs / "base.yml", topology="v5p-16")
+    assert case == Case.make(card, "v5p-16", "default", overrides={**cards.card_settings(card), "maxtext_version": "0.2.5"})
+
+
+def test_a_configuration_of_two_releases_is_refused():
+    with pytest.raises(BadInput, match=r"mixes keys of different releases [(]0.2.5: use_m3_model[)]; compose it"):
+        read("model_name=qwen3-0.6b", "use_m3_model=false", config=BASE, topology="v5p-16")
+
+
+def test_zero1_with_e591f30s_nnx_build_is_refused_and_its_linen_build_taken():
+    """base.yml of e591f30 asks for the NNX build, which places ZeRO-1's moments otherwise: refused, and
+    taken with the three keys false (the Linen build, as MaxText's own sharding tests run it)."""
+    zero1 = ["model_name=llama2-7b", "ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "shard_optimizer_over_data=true"]
+    with pytest.raises(BadInput, match=r"the command line: shard_optimizer_over_data=true with "
+                                       r"MaxText 0.2.4's NNX build"):
+        read(*zero1, config=BASE, topology="v5p-16")
+    linen = read(*zero1, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
+    assert dict(linen.overrides)["shard_optimizer_over_data"] is True
+    tensor = ["model_name=qwen3.5-35b-a3b", "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2"]
+    with pytest.raises(BadInput, match=r"decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX"):
+        read(*tensor, config=BASE, topology="v5p-16")
+    assert read(*tensor, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
 
 
 def test_a_cards_settings_are_its_cases_defaults():

@@ -15,7 +15,9 @@ from sharding_dump.zoo.matrix import load_matrix
 MATRIX = load_matrix()
 SETUPS = matrix_setups()
 ZERO1_CASES = [c for c in MATRIX if SETUPS[c.label].values["shard_optimizer_over_data"]]
-AUTO_CASES = [c for c in MATRIX if not SETUPS[c.label].explicit]
+# Explicit mode for the decoder blocks the case's MaxText release accepts in it (data/maxtext_releases.yml).
+AUTO_CASES = [c for c in MATRIX if not SETUPS[c.label].explicit
+              and SETUPS[c.label].config.decoder_block in c.release.explicit_blocks]
 EXPLICIT_CASES = [c for c in MATRIX if SETUPS[c.label].explicit]
 
 
@@ -119,6 +121,12 @@ BAD = [
     ("--model deepseek3-671b --topology tpu7x-2048 shard_mode=explicit",
      "shard_mode=explicit: params/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
      "evenly over ['fsdp', 'context', 'context_usp_ulysses', 'expert'] (2048 shards)"),
+    ("--model gemma3-4b --topology tpu7x-8 shard_mode=explicit",
+     "shard_mode=explicit: MaxText 0.2.4 does not support decoder block 'gemma3' in explicit mode (blocks it "
+     "supports: simple, simple_mlp, llama2, deepseek)"),
+    ("--model llama2-7b --topology v5p-8 --rule default ici_data_parallelism=2 shard_optimizer_over_data=true "
+     "maxtext_version=0.2.5",
+     "shard_optimizer_over_data=true: MaxText 0.2.5 refuses ZeRO-1 with FSDP (the fsdp axes hold 2 devices)"),
 ]
 
 

@@ -1,0 +1,169 @@
+"""The MaxText releases the zoo builds (`maxtext_version`), read from `data/maxtext_releases.yml`.
+
+What changes from one release to the next (its rule files, the logical axes its layers give, which
+routed biases are model state, the blocks explicit mode accepts, ZeRO-1 with FSDP, its configuration
+keys, the model configs the zoo has no card for) is data, written once there; this module reads it.
+
+>>> release("0.2.5").model["attention_embed_axis"], release("0.2.4").rules_dir.name
+('embed_attn', 'rules')
+>>> release_of({"maxtext_version": "0.2.5"}).version
+'0.2.5'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from sharding_dump.errors import BadInput, shown
+from sharding_dump.resources import DATA_DIR, RULES_DIR, load_yaml, validate
+
+RELEASES_FILE = DATA_DIR / "maxtext_releases.yml"
+SETTING = "maxtext_version"
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One MaxText release as data/maxtext_releases.yml describes it."""
+
+    version: str
+    source: str
+    rules_dir: Path
+    model: Mapping[str, str]
+    model_state_bias: tuple[str, ...]
+    explicit_blocks: tuple[str, ...]
+    zero1_with_fsdp: bool
+    kv_heads_atomic: bool
+    keys_added: tuple[str, ...]
+    keys_removed: tuple[str, ...]
+    models_missing: Mapping[str, str]
+    builds: tuple[str, ...]
+    written: str
+    nnx_keys: tuple[str, ...]  # MaxText keys choosing its NNX build (any true), where it has two builds
+    nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
+
+    def bias_is_state(self, model_name: str) -> bool:
+        """True when the release keeps the routed `gate/bias` of `model_name` as model state, not a
+        parameter (MaxText keys this on the model name's prefix)."""
+        return model_name.startswith(self.model_state_bias) if self.model_state_bias else False
+
+
+@functools.cache
+def releases() -> dict[str, Release]:
+    """Every release, oldest first (the file's order), schema-checked."""
+    data = load_yaml(RELEASES_FILE, "MaxText releases file")
+    validate(data, "maxtext-releases", f"MaxText releases file {RELEASES_FILE}")
+    out = {}
+    for version, raw in data["releases"].items():
+        folder = RULES_DIR if raw["rules"] == "." else RULES_DIR / raw["rules"]
+        if not folder.is_dir():
+            raise BadInput(f"MaxText releases file {RELEASES_FILE}: field releases/{version}/rules: no folder {folder}")
+        out[version] = Release(version, raw["source"], folder, dict(raw["model"]), tuple(raw["model_state_bias"]),
+                               tuple(raw["explicit_blocks"]), raw["zero1_with_fsdp"], raw["kv_heads_atomic"],
+                               tuple(raw["keys_added"]),
+                               tuple(raw["keys_removed"]), dict(raw["models_missing"]),
+                               tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
+                               tuple(raw["builds"]["nnx_keys"]), tuple(raw["builds"]["nnx_differs"]))
+    return out
+
+
+def release(version: str) -> Release:
+    """The release `version` (BadInput naming the known ones for any other)."""
+    known = releases()
+    if version not in known:
+        raise BadInput(f"{SETTING}={shown(version)}: must be one of {', '.join(known)}")
+    return known[version]
+
+
+def release_of(values: Mapping[str, Any]) -> Release:
+    """The release a case's settings choose (`maxtext_version`, its default when unset)."""
+    from sharding_dump.zoo.settings import value_of
+
+    return release(str(value_of(values, SETTING)))
+
+
+def rule_dirs() -> tuple[Path, ...]:
+    """The rule folder of every release, each once."""
+    return tuple(dict.fromkeys(r.rules_dir for r in releases().values()))
+
+
+def keys_of(version: str, all_keys: set[str]) -> set[str]:
+    """The keys of the release's base.yml, out of `all_keys` (every key data/maxtext_keys.yml knows):
+    a key a later release adds, or one this release or an earlier one removed, is not among them."""
+    order = list(releases())
+    index = order.index(version)
+    keys = set(all_keys)
+    for later in order[index + 1:]:
+        keys -= set(releases()[later].keys_added)
+    for earlier in order[: index + 1]:
+        keys -= set(releases()[earlier].keys_removed)
+    return keys
+
+
+def missing_model(name: str) -> str | None:
+    """Why the zoo does not build MaxText's model config `name` (a config some release added), or None."""
+    for rel in releases().values():
+        if name in rel.models_missing:
+            return f"MaxText {rel.version}'s model config {name!r} is not built by the zoo: {rel.models_missing[name]}"
+    return None
+
+
+def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, tensor: int = 1,
+                where: str = "") -> None:
+    """BadInput when the MaxText keys ask for the release's NNX build (`nnx`) of a case that build places
+    otherwise than the Linen build sharding-dump writes (data/maxtext_releases.yml `nnx_differs`: ZeRO-1
+    on, `zero1`; tensor parallelism `tensor` above 1 for a decoder `block` listed)."""
+    if not nnx:
+        return
+    for case in rel.nnx_differs:
+        if case["when"] == "shard_optimizer_over_data" and zero1:
+            what = "shard_optimizer_over_data=true"
+        elif case["when"] == "tensor_parallelism" and tensor > 1 and block in case.get("blocks", ()):
+            what = f"decoder block {block!r} with tensor parallelism {tensor}"
+        else:
+            continue
+        raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build ({'/'.join(rel.nnx_keys)} true): "
+                       f"{case['why']}; sharding-dump writes the Linen build: give "
+                       f"{' '.join(f'{k}=false' for k in rel.nnx_keys)}")
+
+
+def check_model(rel: Release, model_name: str, routed_bias: bool) -> None:
+    """BadInput for a model the release builds otherwise than the zoo can (its routed bias as model state)."""
+    if routed_bias and rel.bias_is_state(model_name):
+        raise BadInput(f"model {model_name!r}: MaxText {rel.version} keeps its routed gate/bias as model state, not a "
+                       f"parameter (no optimizer moments, the layer axis first), which the zoo does not build; give "
+                       f"{SETTING}=0.2.4")
+
+
+FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it
+
+
+def check_case(rel: Release, values: Mapping[str, Any], config: Any, sizes: Mapping[str, int],
+               kv_head_axes: Sequence[str] = ()) -> None:
+    """BadInput for what the release's MaxText refuses: shard_mode=explicit for a decoder block outside its
+    explicit set, ZeRO-1 (shard_optimizer_over_data) with FSDP axes of more than one device, key/value
+    heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
+    kv_heads dimension is placed on). `config`: the card's ModelConfig, None for a user's model."""
+    decoder_block = config.decoder_block if config is not None else None
+    if values["shard_mode"] == "explicit" and decoder_block is not None and decoder_block not in rel.explicit_blocks:
+        raise BadInput(f"shard_mode=explicit: MaxText {rel.version} does not support decoder block {decoder_block!r} "
+                       f"in explicit mode (blocks it supports: {', '.join(rel.explicit_blocks)})")
+    if rel.kv_heads_atomic and config is not None and kv_head_axes:
+        split = [axis for axis in kv_head_axes if sizes.get(axis, 1) > 1]
+        shards = 1
+        for axis in split:
+            shards *= sizes[axis]
+        for heads in {config.num_kv_heads, config.global_num_kv_heads} - {0}:
+            if heads % shards:
+                raise BadInput(f"MaxText {rel.version} never splits a key/value head: {config.name} has {heads} "
+                               f"key/value heads, which the rules split over {' x '.join(split)} ({shards} "
+                               f"shards); size those axes to divide {heads}")
+    fsdp = 1
+    for axis in FSDP_AXES:
+        fsdp *= sizes.get(axis, 1)
+    if values["shard_optimizer_over_data"] and not rel.zero1_with_fsdp and fsdp > 1:
+        raise BadInput(f"shard_optimizer_over_data=true: MaxText {rel.version} refuses ZeRO-1 with FSDP (the fsdp "
+                       f"axes hold {fsdp} devices); size ici_/dcn_fsdp_parallelism and "
+                       f"ici_/dcn_fsdp_transpose_parallelism 1, or give {SETTING}=0.2.4")

@@ -1,0 +1,154 @@
+"""The MaxText releases (`maxtext_version`, data/maxtext_releases.yml): each release's rule files are
+MaxText's of that release, its new model configs are refused naming what is missing, and its layers'
+logical axes are the ones MaxText gives them.
+
+MaxText's own configuration files of each release are test data (tests/data/maxtext/configs for e591f30,
+configs-0.2.5 for PyPI's 0.2.5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from helpers import REPO, assert_bad_input
+from sharding_dump.core.specs import entry_axes
+from sharding_dump.errors import BadInput
+from sharding_dump.zoo import cards, releases, rules
+from sharding_dump.zoo.case import Case
+from sharding_dump.zoo.dump import dump_case
+
+CONFIGS = {"0.2.4": REPO / "tests/data/maxtext/configs", "0.2.5": REPO / "tests/data/maxtext/configs-0.2.5"}
+
+
+def test_every_release_has_its_maxtext_configs_here():
+    assert set(CONFIGS) == set(releases.releases())
+
+
+def maxtext_rule_files(version: str) -> dict[str, dict]:
+    """MaxText's rule files of a release by the zoo's name: its custom_mesh_and_rule files, and base.yml as `default`."""
+    folder = CONFIGS[version]
+    found = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((folder / "custom_mesh_and_rule").glob("*.yml"))}
+    found["default"] = yaml.safe_load((folder / "base.yml").read_text())
+    return found
+
+
+@pytest.mark.parametrize("version", sorted(CONFIGS))
+def test_each_release_has_maxtexts_rule_files_of_that_release(version):
+    """Same names; same mesh axes, batch axes and logical_axis_rules in order, a mesh axis the rule's mesh
+    lacks dropped as MaxText drops it."""
+    rel = releases.release(version)
+    theirs = maxtext_rule_files(version)
+    assert set(rules.rule_names(rel.rules_dir)) == set(theirs)
+    for name, data in theirs.items():
+        ours = rules.load_rule(name, rel.rules_dir)
+        assert list(ours.mesh_axes) == data["mesh_axes"], name
+        assert [list(ours.data_sharding)] == data["data_sharding"], name
+        expected = [(n, tuple(a for a in entry_axes(tuple(axes) if isinstance(axes, list) else axes)
+                              if a in ours.mesh_axes)) for n, axes in data["logical_axis_rules"]]
+        assert [(n, entry_axes(a)) for n, a in ours.logical_axis_rules] == expected, name
+
+
+def test_each_releases_model_configs_without_a_card_are_the_ones_it_names():
+    for version, folder in CONFIGS.items():
+        added = {p.stem for p in (folder / "models").glob("*.yml")} - set(cards.card_files())
+        assert added == set(releases.release(version).models_missing), version
+
+
+def test_keys_of_a_release_leave_out_later_additions_and_its_removals():
+    everything = {"pure_nnx", "use_m3_model", "steps"}
+    assert releases.keys_of("0.2.4", everything) == {"pure_nnx", "steps"}
+    assert releases.keys_of("0.2.5", everything) == {"use_m3_model", "steps"}
+
+
+BAD = [
+    ("--model weaver-mini", "model 'weaver-mini': MaxText 0.2.5's model config 'weaver-mini' is not built by the zoo: "
+                            "a qwen3 decoder behind Weaver's vision encoder"),
+    ("--model qwen3-0.6b --rule fsdp-as-dp-for-attn",
+     "unknown rule 'fsdp-as-dp-for-attn' (a rule of MaxText 0.2.5: give maxtext_version=0.2.5)"),
+    ("--model qwen3-0.6b maxtext_version=0.2.3", "maxtext_version='0.2.3': must be one of 0.2.4, 0.2.5"),
+    ("--model deepseek3-test maxtext_version=0.2.5",
+     "model 'deepseek3-test': MaxText 0.2.5 keeps its routed gate/bias as model state, not a parameter"),
+    ("--model qwen3-0.6b maxtext_version=0.2.5 pure_nnx=false", "pure_nnx=false: not a key of MaxText 0.2.5"),
+    ("--model qwen3-0.6b use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
+    ("--model qwen3-0.6b base_emb_dim=1024", "base_emb_dim=1024: a hyperparameter of the model: a --model case "
+                                             "builds its card's"),
+    ("--model qwen3-0.6b compile_topology=v5p-8", "compile_topology=v5p-8: the topology and slices of a --model "
+                                                  "case are --topology and --num-slices"),
+    ("--model qwen3.5-35b-a3b maxtext_version=0.2.5 ici_fsdp_parallelism=-1 ici_tensor_parallelism=4",
+     "MaxText 0.2.5 never splits a key/value head: qwen3.5-35b-a3b has 2 key/value heads, which the rules split "
+     "over tensor (4 shards); size those axes to divide 2"),
+    ("--model qwen3-0.6b maxtext_version=0.2.5 use_lineage=true", "use_lineage=true: not supported: another "
+                                                                  "implementation of the model"),
+    ("--model qwen3-0.6b ici_data_parallelism=2 shard_optimizer_over_data=true pure_nnx=true",
+     "shard_optimizer_over_data=true with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/pure_nnx true): "
+     "its NNX build adds ZeRO-1's data axis to another dimension"),
+    ("--model qwen3.5-35b-a3b ici_fsdp_parallelism=-1 ici_tensor_parallelism=2 pure_nnx=true",
+     "decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/"
+     "pure_nnx true): its NNX build gives qwen3.5's decoder_norm no logical axes"),
+]
+
+
+def test_the_default_release_is_not_named_in_the_folder():
+    """`maxtext_version=0.2.4` (the default) is the case without it: earlier goldens keep their folders."""
+    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.4"}) == \
+        Case.make("qwen3-0.6b", "tpu7x-16", "default")
+    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.5"}).name == \
+        "rule_default_maxtext_version=0.2.5"
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[a for a, _ in BAD])
+def test_what_a_release_lacks_is_one_line(tmp_path, capsys, args, message):
+    assert_bad_input(tmp_path, capsys, f"--topology tpu7x-16 {args}", message)
+
+
+def logical(model: str, rule: str = "default", **overrides) -> dict[str, list]:
+    case = Case.make(model, "tpu7x-16", rule, overrides=overrides)
+    return {path: leaf["logical_axes"] for path, leaf in dump_case(case)["logical_shardings.json"]["tensors"].items()
+            if path.startswith("params/")}
+
+
+def test_release_025_names_every_attention_kernel_embed_attn():
+    """0.2.5 gives the embed dimension of q/k/v/out kernels `embed_attn` (MaxText's attentions.py); 0.2.4 `embed`.
+    Nothing else changes."""
+    old, new = logical("qwen3-0.6b"), logical("qwen3-0.6b", maxtext_version="0.2.5")
+    assert old.keys() == new.keys()
+    changed = {path for path in old if old[path] != new[path]}
+    assert changed == {f"params/decoder/layers/self_attention/{k}/kernel" for k in ("query", "key", "value", "out")}
+    for path in changed:
+        assert [a if a != "embed" else "embed_attn" for a in old[path]] == new[path]
+
+
+def test_release_025_names_the_router_of_routed_and_shared_experts_embed_router():
+    old, new = logical("deepseek2-16b"), logical("deepseek2-16b", maxtext_version="0.2.5")
+    gate = "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel"
+    assert old[gate] == ["embed_moe", "moe_layers", None] and new[gate] == ["embed_router", "moe_layers", None]
+
+
+def test_a_release_rule_folder_must_exist(monkeypatch, tmp_path):
+    text = releases.RELEASES_FILE.read_text().replace("rules: maxtext-0.2.5", "rules: maxtext-9.9.9")
+    path = tmp_path / "maxtext_releases.yml"
+    path.write_text(text)
+    monkeypatch.setattr(releases, "RELEASES_FILE", path)
+    releases.releases.cache_clear()
+    try:
+        with pytest.raises(BadInput, match=r"field releases/0.2.5/rules: no folder .*maxtext-9.9.9"):
+            releases.releases()
+    finally:
+        releases.releases.cache_clear()
+
+
+@pytest.mark.parametrize("version", sorted(CONFIGS))
+def test_every_key_of_a_releases_base_yml_is_known_to_key_value(version):
+    """Each key of the release's base.yml, given as KEY=VALUE at base.yml's value, is honoured (a setting),
+    dropped as layout-neutral, or refused naming the key and why: never an unknown setting."""
+    from sharding_dump.zoo import maxtext_config, settings
+
+    base = yaml.safe_load((CONFIGS[version] / "base.yml").read_text())
+    for key, value in base.items():
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+        try:
+            kept, _ = maxtext_config.layout_neutral({key: text, releases.SETTING: version})
+            settings.parse_overrides(kept)
+        except BadInput as err:
+            assert str(err).startswith(f"{key}=") and "unknown setting" not in str(err), (key, str(err))
