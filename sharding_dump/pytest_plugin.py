@@ -102,7 +102,7 @@ def _anchor(config: pytest.Config) -> Path | None:
     project = project_of(config)
     if config.getini("sharding_dump_cases") and config.inipath:
         return Path(config.inipath).resolve()
-    if project.source is None or not project.cases:
+    if project.source is None or not (project.cases or project.maxtext_cases):
         return None
     return project.source
 
@@ -120,9 +120,12 @@ class CaseMatrix(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
         from sharding_dump.errors import BadInput
 
+        from sharding_dump.maxtext.case import load_cases
+
         project = project_of(self.config)
         try:
-            cases = project.load_cases()
+            cases = project.load_cases() if project.cases or not project.maxtext_cases else []
+            cases += [case for path in project.maxtext_cases for case in load_cases(path)]
         except BadInput as err:
             raise self.CollectError(f"sharding-dump: error: {err}") from None
         for case in cases:
@@ -196,8 +199,13 @@ class GoldenChecker:
 
     def _check(self, case: "Case") -> "Outcome":
         from sharding_dump.errors import BadInput, one_line
+        from sharding_dump.maxtext.case import MaxTextCase
         from sharding_dump.zoo import goldens
 
+        if isinstance(case, MaxTextCase):  # run through the installed MaxText's own code
+            from sharding_dump.maxtext import goldens as maxtext_goldens
+
+            goldens = maxtext_goldens  # type: ignore[assignment]
         try:
             if self.update:
                 outcome, kind = goldens.update(case, self.root, repair=True)
@@ -229,9 +237,11 @@ class GoldenChecker:
         """Fails naming every golden path no case of `cases` produces; under --sharding-update removes
         them and returns what it removed."""
         from sharding_dump.golden import stale
+        from sharding_dump.maxtext.case import MaxTextCase
         from sharding_dump.zoo.case import golden_dir
 
-        paths = stale.stale_paths(self.root, [golden_dir(case, self.root) for case in cases])
+        paths = stale.stale_paths(self.root, [case.folder(self.root) if isinstance(case, MaxTextCase)
+                                              else golden_dir(case, self.root) for case in cases])
         if paths and not self.update:
             pytest.fail(stale.report(paths), pytrace=False)
         stale.remove(paths)

@@ -1,8 +1,8 @@
 """The import rule: every edge between the package's layers points one way, and no module imports a
 private name of another. Read from the source (ast), so an import inside a function counts too.
 
-    base           core        golden                  models         zoo                   commands, plugin
-    (errors,       core        golden, core.format,    models, core   core, golden, models  anything below
+    base           core        golden                  models         zoo                   maxtext          commands, plugin
+    (errors,       core        golden, core.format,    models, core   core, golden, models  zoo and below    anything below
     resources)                 core.specs, core.gc_policy (no jax)
 
 The base (the one-line error and the data-file reader, both without jax) is the floor every layer
@@ -33,8 +33,9 @@ ALLOWED = {
     "golden": {"golden", "base", *JAX_FREE_CORE},
     "models": {"models", "core"},  # Flax only: cards and data files are the zoo's
     "zoo": {"zoo", "core", "golden", "models", "base"},
+    "maxtext": {"maxtext", "zoo", "core", "golden", "base"},  # the installed MaxText's code as the program
     "commands": {"commands", "zoo", "core", "golden", "models", "base"},
-    "plugin": {"commands", "zoo", "golden", "base"},
+    "plugin": {"commands", "zoo", "golden", "maxtext", "base"},
     "api": set(),  # sharding_dump/__init__.py exports lazily, by name, and imports nothing of its own
 }
 THIRD_PARTY_JAX = ("jax", "jaxlib", "flax", "optax")
@@ -126,7 +127,7 @@ def test_the_rule_bites(tmp_path):
 
 @pytest.mark.parametrize("module", ["sharding_dump", "sharding_dump.golden.engine", "sharding_dump.golden.stale",
                                     "sharding_dump.commands.diff", "sharding_dump.pytest_plugin",
-                                    "sharding_dump.zoo.case"])
+                                    "sharding_dump.zoo.case", "sharding_dump.maxtext.case"])
 def test_jax_free_modules_load_no_jax(module):
     """What runs without a model (the API's import, golden I/O, `diff`, the plugin's import, the case
     names and golden folders its stale check reads) loads no jax."""
