@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cases: list[MaxTextCase], root: Path, check: bool) -> int:
     """Dumps every case (timed per case on stderr), then checks or writes their goldens."""
+    from sharding_dump.golden import codec
     from sharding_dump.golden.engine import check_or_update_folder, read_folder
     from sharding_dump.maxtext.program import maxtext
 
@@ -54,7 +55,11 @@ def run(cases: list[MaxTextCase], root: Path, check: bool) -> int:
     for case in cases:
         began = time.perf_counter()
         current = read_folder(case.folder(root))
-        dumped.append((case, runner.documents(case), current))
+        docs = runner.documents(case)
+        rendered = codec.render(docs)
+        for name, data in rendered.items():  # every document passes its schema before anything is written
+            codec.check_bytes(data, f"{case.label}: {name}", docs[name])
+        dumped.append((case, rendered, current))
         print(f"sharding-dump: dumped {case.label} in {time.perf_counter() - began:.1f} s", file=sys.stderr)
     status = 0
     for case, docs, current in dumped:

@@ -25,7 +25,7 @@ from typing import Any
 from sharding_dump.errors import BadInput, one_line
 from sharding_dump.maxtext.case import MaxTextCase
 
-INSTALL = "pip install maxtext==0.2.5 --no-deps and the packages docs/guide/guard-your-maxtext.md lists"
+INSTALL = "pip install --no-deps -r requirements-maxtext.txt of sharding-dump's repository (docs/guide/guard-your-maxtext.md)"
 
 
 class MaxText:
@@ -130,17 +130,22 @@ class MaxText:
 
 
 def _constrained(constraint: Any) -> Any:
-    """A constraint whose spec leaves a dimension to XLA (`P.UNCONSTRAINED`, MaxText's pipeline does)
-    written with that dimension unsplit: the golden format has no word for it (a limit the docs state)."""
+    """A constraint as the golden format writes it: a dimension left to XLA (`P.UNCONSTRAINED`,
+    MaxText's pipeline does) unsplit, as the format has no word for it (a limit the docs state); an
+    RNG key (MaxText's pipeline carries one) as the words it holds, as the state's keys are."""
     import dataclasses
 
+    import jax
     from jax.sharding import PartitionSpec
 
     spec = constraint.partition_spec
-    if not any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
-        return constraint
-    free = PartitionSpec(*(None if entry is PartitionSpec.UNCONSTRAINED else entry for entry in spec))
-    return dataclasses.replace(constraint, partition_spec=free)
+    if any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
+        spec = PartitionSpec(*(None if entry is PartitionSpec.UNCONSTRAINED else entry for entry in spec))
+        constraint = dataclasses.replace(constraint, partition_spec=spec)
+    if constraint.dtype.startswith("key<"):
+        words = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))  # the default key's words
+        constraint = dataclasses.replace(constraint, shape=(*constraint.shape, *words.shape), dtype=str(words.dtype))
+    return constraint
 
 
 def _spec_json(spec: Any) -> list[Any]:

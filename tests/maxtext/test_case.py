@@ -13,6 +13,7 @@ from sharding_dump.errors import BadInput
 from sharding_dump.maxtext.case import MaxTextCase, load_cases
 
 CASES = REPO / "tests" / "data" / "maxtext" / "program" / "cases.yml"
+GUIDE = REPO / "docs" / "guide" / "guard-your-maxtext.md"
 
 
 def test_folder_is_the_zoo_layout_and_a_later_word_wins():
@@ -55,3 +56,4 @@ def test_without_maxtext_one_line_exit_2(tmp_path):
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(
         "sharding-dump: error: MaxText is not importable here (No module named 'maxtext')"), out.stderr
     assert not (tmp_path / "g").exists()
+    assert out.stderr.strip() in GUIDE.read_text()  # the guide shows the line as it is
