@@ -57,3 +57,16 @@ def test_without_maxtext_one_line_exit_2(tmp_path):
         "sharding-dump: error: MaxText is not importable here (No module named 'maxtext')"), out.stderr
     assert not (tmp_path / "g").exists()
     assert out.stderr.strip() in GUIDE.read_text()  # the guide shows the line as it is
+
+
+def test_the_plugin_collects_maxtext_cases(pytester):
+    """`maxtext-cases` in [tool.sharding-dump]: one golden test per case; here, without MaxText, each
+    fails in one line saying so (a golden test never passes unchecked), and the stale check runs."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('maxtext') is not None)"
+    if subprocess.run([sys.executable, "-c", code]).returncode:
+        pytest.skip("MaxText is installed here (tests/maxtext/test_program.py runs it)")
+    pytester.makepyprojecttoml('[tool.sharding-dump]\ngolden-dir = "golden"\nmaxtext-cases = ["maxtext.yml"]\n')
+    pytester.makefile(".yml", maxtext="cases:\n  - {args: [model_name=llama2-7b, compile_topology=v5p-8]}\n")
+    result = pytester.runpytest("-p", "sharding_dump.pytest_plugin", "-p", "no:cacheprovider", "-q", "pyproject.toml")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*sharding-dump: error: llama2-7b/v5p-8/slice_1/rule_default: MaxText is not importable here*"])
