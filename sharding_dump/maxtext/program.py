@@ -52,8 +52,6 @@ class MaxText:
         self.maxtext_utils, self.sharding = maxtext_utils, sharding
         self.base_config = os.path.join(MAXTEXT_PKG_DIR, "configs", "base.yml")
         self.version = getattr(maxtext, "__version__", "") or _version()
-        # MaxText's own dump and train_compile run with this key implementation
-        jax.config.update("jax_default_prng_impl", "unsafe_rbg")
 
     def config(self, case: MaxTextCase) -> Any:
         """MaxText's config for the case, composed by MaxText; its refusal is MaxText's reason."""
@@ -68,8 +66,19 @@ class MaxText:
             return config
 
     def documents(self, case: MaxTextCase) -> dict[str, dict[str, Any]]:
-        """The golden documents of one case, as MaxText's own code builds and places its state and step."""
+        """The golden documents of one case, as MaxText's own code builds and places its state and step,
+        with the key implementation MaxText's train_compile sets; the jax options MaxText's code sets
+        (`get_topology_mesh` sets one) are put back afterwards, so the caller's process keeps its own."""
+        before = dict(self.jax.config.values)
+        try:
+            with self.jax.default_prng_impl("unsafe_rbg"):
+                return self._documents(case)
+        finally:
+            for name, value in before.items():
+                if self.jax.config.values.get(name) != value:
+                    self.jax.config.update(name, value)
 
+    def _documents(self, case: MaxTextCase) -> dict[str, dict[str, Any]]:
         from sharding_dump.core import capture, documents
         from sharding_dump.core.layout import TensorLayout, mesh_sizes, path_text
 

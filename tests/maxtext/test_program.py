@@ -86,6 +86,11 @@ def test_an_edit_of_maxtexts_layer_code_fails_the_golden_naming_the_tensor(runne
     assert failed.returncode == 1, failed.stdout[-3000:]
     assert EDITED_TENSOR in failed.stdout, failed.stdout[-3000:]
     assert "llama2-7b/v5p-8/slice_1/rule_default" in failed.stdout
+    shown = failed.stdout.replace(f"{project}/", "")
+    guide = (REPO / "docs" / "guide" / "guard-your-maxtext.md").read_text()
+    block = guide.split("says how to accept the change:\n\n```\n", 1)[1].split("```", 1)[0]
+    missing = [line for line in block.splitlines() if line.strip() != "..." and line not in shown]
+    assert not missing, missing  # the guide shows this failure as it is
     assert pytest_run("--sharding-update").returncode == 0
     again = pytest_run()
     assert again.returncode == 0, again.stdout[-3000:]
