@@ -127,7 +127,8 @@ def _typed(value: str) -> Any:
 
 def load_cases(path: str | Path) -> list[MaxTextCase]:
     """A MaxText case file: `cases:` a list of entries, each `args:` (MaxText's KEY=VALUE words) and
-    optionally `config:` (a MaxText yml, relative to the case file). No two entries the same case."""
+    optionally `config:` (a MaxText yml, relative to the case file) and `zoo:` (the zoo's golden of the
+    same case, which only tests/maxtext/test_program.py reads). No two entries the same case."""
     path = Path(path)
     data = load_yaml(path, "MaxText case file")
     if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
