@@ -118,7 +118,7 @@ def _anchor(config: pytest.Config) -> Path | None:
     project = project_of(config)
     if config.getini("sharding_dump_cases") and config.inipath:
         return Path(config.inipath).resolve()
-    if project.source is None or not project.cases:
+    if project.source is None or not (project.cases or project.maxtext_cases):
         return None
     return project.source
 
@@ -137,9 +137,12 @@ class CaseMatrix(pytest.File):
         from sharding_dump.errors import BadInput
         from sharding_dump.zoo.matrix import load_project_cases
 
+        from sharding_dump.maxtext.case import load_cases
+
         project = project_of(self.config)
         try:
-            cases = load_project_cases(project)
+            cases = load_project_cases(project) if project.cases or not project.maxtext_cases else []
+            cases += [case for path in project.maxtext_cases for case in load_cases(path)]
         except BadInput as err:
             raise self.CollectError(f"sharding-dump: error: {err}") from None
         for case in cases:
@@ -219,8 +222,13 @@ class GoldenChecker:
 
     def _check(self, case: "Case") -> "Outcome":
         from sharding_dump.errors import BadInput, one_line
+        from sharding_dump.maxtext.case import MaxTextCase
         from sharding_dump.zoo import goldens
 
+        if isinstance(case, MaxTextCase):  # run through the installed MaxText's own code
+            from sharding_dump.maxtext import goldens as maxtext_goldens
+
+            goldens = maxtext_goldens  # type: ignore[assignment]
         try:
             if self.update:
                 outcome, kind = goldens.update(case, self.root, repair=True)
@@ -257,9 +265,11 @@ class GoldenChecker:
         pytest-xdist too), as a failing exit status, a warning, or the deletion; left open, with a
         warning, when a test using the fixture was deselected or the run stopped early."""
         from sharding_dump.golden import stale
+        from sharding_dump.maxtext.case import MaxTextCase
         from sharding_dump.zoo.case import golden_dir
 
-        folders = [golden_dir(case, self.root) for case in cases]
+        folders = [case.folder(self.root) if isinstance(case, MaxTextCase) else golden_dir(case, self.root)
+                   for case in cases]
         if self.item is not None and (self.config.getoption("--sharding-warn-unused") or self._fixture_tests()):
             left_out = getattr(self.config, "_sharding_dump_deselected", 0)
             self.item.user_properties.append((DEFERRED_KEY, (str(self.root), [str(f) for f in folders], left_out)))

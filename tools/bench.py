@@ -8,6 +8,7 @@
     python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, -m package, the docs site): wall time
     python tools/bench.py --table    # the speed table: each figure beside its floor and goal, paired in one run
     python tools/bench.py --table --no-suite   # the same without the test suite (minutes less)
+    python tools/bench.py --maxtext MAXTEXT/tests/utils/sharding_dump.py   # run with a Python that has MaxText
 
 Cold = `python -m sharding_dump.commands.cli <case> --output-dir TMP` in a new process (imports included), and
 the same for `check --all`, `diff golden golden` and `show` of the first case, beside the time of
@@ -21,6 +22,10 @@ with the default parallelism against the sum of its unique traces (each distinct
 once, in this process, divided by the cores); `diff golden golden` against starting Python; the default
 suite with -n 2. Wall and CPU seconds (user + system, children included): on a shared machine the CPU
 figure is what a quiet one's wall time would be.
+--maxtext SCRIPT: the cases of tests/data/maxtext/program/cases.yml (ten; --cases N the first N) through
+the installed MaxText's own code, as the pair: MaxText's own dump SCRIPT (its tests/utils/sharding_dump.py,
+one process per case, writing under a temporary MAXTEXT_REPO_ROOT) and `python -m sharding_dump.maxtext
+--cases` (one process for all of them, MaxText imported once): wall time per case of each, in one run.
 
 --verify: per case, `sharding-dump verify` in a new process; the CPU seconds (user + system) and peak
 RSS of the child that compiles the step, as its first output line reports them, and the wall time.
@@ -215,6 +220,43 @@ def bench_docs() -> None:
     print(f"{'docs site: mkdocs build --strict':<92} {wall:>7.2f} s wall, exit {proc.returncode}", flush=True)
 
 
+def bench_maxtext(script: str, count: int) -> None:
+    """Wall time per case: MaxText's own dump (a process per case) against one process for all cases."""
+    import yaml
+
+    from sharding_dump.maxtext.case import load_cases
+
+    source = REPO / "tests" / "data" / "maxtext" / "program" / "cases.yml"
+    cases = load_cases(source)[: count or None]
+    base = subprocess.run([sys.executable, "-c", "from maxtext.utils.globals import MAXTEXT_PKG_DIR as d; print(d)"],
+                          capture_output=True, text=True, check=True).stdout.strip() + "/configs/base.yml"
+    print(f"{len(cases)} MaxText cases, {os.cpu_count()} cores, python {sys.version.split()[0]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        own = []
+        for case in cases:
+            root = Path(tmp) / f"own{len(own)}"
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, script, *case.argv(base)[1:]], capture_output=True, text=True,
+                                  env={**os.environ, "MAXTEXT_REPO_ROOT": str(root)})
+            own.append(time.perf_counter() - start)
+            wrote = len(list(root.rglob("named_shardings.json")))
+            print(f"{'MaxText own dump ' + case.label:<110} {own[-1]:>7.2f} s, exit {proc.returncode}, "
+                  f"{'wrote its files' if wrote else 'wrote nothing'}", flush=True)
+        listed = Path(tmp) / "cases.yml"
+        listed.write_text(yaml.safe_dump({"cases": [{"args": [f"{k}={v}" for k, v in c.words]} for c in cases]}))
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "sharding_dump.maxtext", "--cases", str(listed),
+                               "--golden-dir", str(Path(tmp) / "ours")], cwd=REPO, capture_output=True, text=True)
+        ours = time.perf_counter() - start
+        for line in proc.stderr.splitlines():
+            if line.startswith("sharding-dump:"):
+                print(f"  {line}")
+    print(f"{'MaxText own dump, one process per case: mean per case':<110} {statistics.mean(own):>7.2f} s "
+          f"(total {sum(own):.1f} s)")
+    print(f"{'python -m sharding_dump.maxtext --cases, one process: per case':<110} {ours / len(cases):>7.2f} s "
+          f"(total {ours:.1f} s, exit {proc.returncode})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=0, help="only the first N cases (0: all)")
@@ -225,7 +267,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for --suite (default 2)")
     parser.add_argument("--table", action="store_true", help="the speed table: each figure beside its floor")
     parser.add_argument("--no-suite", action="store_true", help="with --table, leave the test suite out")
+    parser.add_argument("--maxtext", metavar="SCRIPT", help="MaxText's own dump against python -m sharding_dump.maxtext")
     args = parser.parse_args()
+    if args.maxtext:
+        bench_maxtext(args.maxtext, args.cases)
+        return
     if args.suite:
         bench_suite(args.workers)
         return

@@ -5,8 +5,8 @@ name of another. Read from the source (ast), so an import inside a function coun
 
     python tools/layering.py     # one line per finding; exit 1 when there is any
 
-    base           core        golden                  models         zoo                   commands, plugin
-    (errors,       core        golden, core.format,    models, core   core, golden, models  anything below
+    base           core        golden                  models         zoo                   maxtext          commands, plugin
+    (errors,       core        golden, core.format,    models, core   core, golden, models  zoo and below    anything below
     resources)                 core.specs, core.gc_policy (no jax)
 
 The base (the one-line error and the data-file reader, both without jax) is the floor every layer
@@ -34,8 +34,9 @@ ALLOWED = {
     "golden": {"golden", "base", *JAX_FREE_CORE},
     "models": {"models", "core"},  # Flax only: cards and data files are the zoo's
     "zoo": {"zoo", "core", "golden", "models", "base"},
+    "maxtext": {"maxtext", "zoo", "core", "golden", "base"},  # the installed MaxText's code as the program
     "commands": {"commands", "zoo", "core", "golden", "models", "base"},
-    "plugin": {"commands", "zoo", "golden", "base"},
+    "plugin": {"commands", "zoo", "golden", "maxtext", "base"},
     "api": set(),  # sharding_dump/__init__.py exports lazily, by name, and imports nothing of its own
 }
 THIRD_PARTY_JAX = ("jax", "jaxlib", "flax", "optax")

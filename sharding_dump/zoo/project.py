@@ -15,6 +15,8 @@ options (`sharding_dump_cases`, `sharding_dump_golden_dir`) override it. Checked
     card-dirs = ["sharding/cards"]        # `model: NAME` also finds sharding/cards/NAME.yml
     models = {tiny = "mypkg.models:make_tiny"}  # `model: tiny` is the factory mypkg.models:make_tiny,
                                                 # its goldens under golden/tiny/
+    maxtext-cases = ["sharding/maxtext.yml"]  # cases run through the installed MaxText's own code
+                                              # (sharding_dump/maxtext/case.py)
     time-limit = 600                      # seconds per call into the project's code and per verify
                                           # compile; default: data/time_limits.yml
 
@@ -56,6 +58,7 @@ class Project:
     card_dirs: tuple[Path, ...] = ()
     models: tuple[tuple[str, str], ...] = ()  # model name -> "package.module:factory"
     time_limit: float | None = None  # seconds per call into the user's code; None: data/time_limits.yml
+    maxtext_cases: tuple[Path, ...] = ()  # MaxText case files: cases run through the installed MaxText
 
     def with_overrides(self, cases: Sequence[str | Path] | None = None, golden_dir: str | Path | None = None,
                        base: Path | None = None) -> "Project":
@@ -146,4 +149,5 @@ def load_project(start: Path | None = None) -> Project:
         card_dirs=_paths(root, table.get("card-dirs")),
         models=tuple(sorted(table.get("models", {}).items())),
         time_limit=table.get("time-limit"),
+        maxtext_cases=_paths(root, table.get("maxtext-cases")),
     )

@@ -61,7 +61,8 @@ def test_a_cycle_is_found(tmp_path):
 
 @pytest.mark.parametrize("module", ["sharding_dump", "sharding_dump.golden.engine", "sharding_dump.golden.stale",
                                     "sharding_dump.commands.diff", "sharding_dump.pytest_plugin",
-                                    "sharding_dump.zoo.case", "sharding_dump.zoo.matrix"])
+                                    "sharding_dump.zoo.case", "sharding_dump.zoo.matrix",
+                                    "sharding_dump.maxtext.case"])
 def test_jax_free_modules_load_no_jax(module):
     """What runs without a model (the API's import, golden I/O, `diff`, the plugin's import, the case
     names and golden folders its stale check reads) loads no jax."""
