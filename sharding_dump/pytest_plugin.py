@@ -223,12 +223,10 @@ class GoldenChecker:
     def _check(self, case: "Case") -> "Outcome":
         from sharding_dump.errors import BadInput, one_line
         from sharding_dump.maxtext.case import MaxTextCase
-        from sharding_dump.zoo import goldens
-
         if isinstance(case, MaxTextCase):  # run through the installed MaxText's own code
-            from sharding_dump.maxtext import goldens as maxtext_goldens
-
-            goldens = maxtext_goldens  # type: ignore[assignment]
+            from sharding_dump.maxtext import goldens
+        else:
+            from sharding_dump.zoo import goldens
         try:
             if self.update:
                 outcome, kind = goldens.update(case, self.root, repair=True)
