@@ -212,10 +212,9 @@ class GoldenChecker:
         into the user's code it makes is bounded by the time limit. The case's golden folder counts as
         used by a test of this run (never stale), whatever the outcome."""
         from sharding_dump.commands.options import time_limit_of
-        from sharding_dump.zoo.case import golden_dir
 
         if self.item is not None:
-            self.item.user_properties.append((USED_KEY, str(golden_dir(case, self.root))))
+            self.item.user_properties.append((USED_KEY, str(golden_folder(case, self.root))))
 
         with time_limit_of(self.time_limit, project=False):  # the project's limit is in self.time_limit
             return self._check(case)
@@ -223,6 +222,7 @@ class GoldenChecker:
     def _check(self, case: "Case") -> "Outcome":
         from sharding_dump.errors import BadInput, one_line
         from sharding_dump.maxtext.case import MaxTextCase
+
         if isinstance(case, MaxTextCase):  # run through the installed MaxText's own code
             from sharding_dump.maxtext import goldens
         else:
@@ -263,11 +263,8 @@ class GoldenChecker:
         pytest-xdist too), as a failing exit status, a warning, or the deletion; left open, with a
         warning, when a test using the fixture was deselected or the run stopped early."""
         from sharding_dump.golden import stale
-        from sharding_dump.maxtext.case import MaxTextCase
-        from sharding_dump.zoo.case import golden_dir
 
-        folders = [case.folder(self.root) if isinstance(case, MaxTextCase) else golden_dir(case, self.root)
-                   for case in cases]
+        folders = [golden_folder(case, self.root) for case in cases]
         if self.item is not None and (self.config.getoption("--sharding-warn-unused") or self._fixture_tests()):
             left_out = getattr(self.config, "_sharding_dump_deselected", 0)
             self.item.user_properties.append((DEFERRED_KEY, (str(self.root), [str(f) for f in folders], left_out)))
@@ -294,6 +291,14 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
         config = items[0].config
         left_out = sum(FIXTURE in getattr(item, "fixturenames", ()) for item in items)
         config._sharding_dump_deselected = getattr(config, "_sharding_dump_deselected", 0) + left_out  # type: ignore[attr-defined]
+
+
+def golden_folder(case: Any, root: Path) -> Path:
+    """A case's golden folder under `root`: a zoo case's, or one run through the installed MaxText."""
+    from sharding_dump.maxtext.case import MaxTextCase
+    from sharding_dump.zoo.case import golden_dir
+
+    return case.folder(root) if isinstance(case, MaxTextCase) else golden_dir(case, root)
 
 
 def fail(config: pytest.Config | None, line: str, err: BaseException) -> None:
