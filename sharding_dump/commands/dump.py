@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                              time.perf_counter() - dumped.seconds)
             for warning in dumped.use_warnings:
                 print(f"sharding-dump: warning: {case.label}: {one_line(warning)}", file=sys.stderr, flush=True)
-    except concurrent.futures.process.BrokenProcessPool:
+    except concurrent.futures.BrokenExecutor:  # a worker died: the pool is broken
         print("sharding-dump: error: a worker process died (killed, or out of memory); each golden folder is whole, "
               "old or new: run again (-j 1 dumps in this process)", file=sys.stderr)
         return 1
