@@ -137,37 +137,6 @@ def zoo_documents(zoo: str | dict) -> tuple[str, dict[str, dict]]:
     return case.label, {name: json.loads(rendered[name]) for name in (NAMED, LOGICAL)}
 
 
-def zoo_documents(zoo: str | dict) -> tuple[str, dict[str, dict]]:
-    """(its name, its golden documents): a committed golden folder, or a case the zoo renders here."""
-    if isinstance(zoo, str):
-        return zoo, {name: codec.read_document(REPO / "golden" / zoo / name) for name in (NAMED, LOGICAL)}
-    from sharding_dump.zoo import goldens
-    from sharding_dump.zoo.case import Case
-
-    case = Case.make(zoo["model"], zoo["topology"], zoo["rule"], overrides=zoo.get("overrides"))
-    rendered = goldens.render(case)
-    return case.label, {name: json.loads(rendered[name]) for name in (NAMED, LOGICAL)}
-
-
-@functools.cache
-def known() -> dict:
-    return yaml.safe_load((DATA / "known_differences.yml").read_text())
-
-
-def relayout(path: str) -> str:
-    """A path of MaxText's state as the zoo's layout names it (known_differences.yml: layout)."""
-    for old, new in known()["layout"]:
-        if path == old or path.startswith(old):
-            return new + path[len(old):]
-    return path
-
-
-def leaves(doc: dict, key: str, where: Path, relaid: bool) -> dict:
-    tool = compare_maxtext_tool()
-    found = tool["our_leaves"](doc, key, where, exact=key == "logical_axes")
-    return {relayout(p) if relaid else p: leaf for p, leaf in found.items()}
-
-
 @functools.cache
 def known() -> dict:
     return yaml.safe_load((DATA / "known_differences.yml").read_text())
