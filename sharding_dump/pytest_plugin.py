@@ -480,14 +480,22 @@ class _Working:
         if room < 20:
             return
         text = text if len(text) <= room else text[:room - 3] + "..."
-        self.writer.write_raw(f"\x1b7{text}\x1b8", flush=True)
+        self._raw(f"\x1b7{text}\x1b8")
         self.shown = True
 
     @pytest.hookimpl(tryfirst=True)  # before pytest writes the case's letter
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if self.shown:
-            self.writer.write_raw("\x1b[K", flush=True)
+            self._raw("\x1b[K")
             self.shown = False
+
+    def _raw(self, text: str) -> None:
+        """Bytes past pytest's line accounting: TerminalWriter.write_raw where pytest has it, else its stream."""
+        if hasattr(self.writer, "write_raw"):
+            self.writer.write_raw(text, flush=True)
+        else:  # pytest 8.1
+            self.writer._file.write(text)
+            self.writer._file.flush()
 
 
 def _covered(anchor: Path, paths: Iterable[Path]) -> bool:
