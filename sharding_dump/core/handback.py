@@ -94,20 +94,41 @@ def _all_equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
             yield from _all_equations(sub)
 
 
+def _named_meshes(closed: ClosedJaxpr) -> Iterator[tuple[Any, str]]:
+    """Every mesh the traced function's own equations name, with the equation naming it (`jit create`,
+    `sharding_constraint sharding`), in trace order."""
+    for eqn in _all_equations(closed):
+        for key, value in eqn.params.items():
+            for mesh in _meshes_in(value):
+                name = eqn.params.get("name") if eqn.primitive.name in _JIT else None
+                yield mesh, f"{eqn.primitive.name} {name}" if name else f"{eqn.primitive.name} {key}"
+
+
 def meshes(closed: ClosedJaxpr) -> list[tuple[MeshShape, str]]:
     """Every distinct mesh the traced function's own shardings name (a jit's in/out shardings, a
     constraint, `reshard`, `device_put`, an output sharding, a `shard_map`'s mesh, a mesh set with
     `jax.set_mesh`), each with the first equation naming it (`jit create`, `sharding_constraint
     sharding`), in trace order."""
     found: dict[MeshShape, str] = {}
-    for eqn in _all_equations(closed):
-        for key, value in eqn.params.items():
-            for mesh in _meshes_in(value):
-                shape = mesh_shape(mesh)
-                if shape and shape not in found:  # an empty mesh is jax's own "no mesh"
-                    name = eqn.params.get("name") if eqn.primitive.name in _JIT else None
-                    found[shape] = f"{eqn.primitive.name} {name}" if name else f"{eqn.primitive.name} {key}"
+    for mesh, where in _named_meshes(closed):
+        shape = mesh_shape(mesh)
+        if shape and shape not in found:  # an empty mesh is jax's own "no mesh"
+            found[shape] = where
     return list(found.items())
+
+
+def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
+    """What to do when the program's mesh is a concrete one over every device of this process (Kauldron's
+    `DEVICES_MESH`, a mesh of `jax.devices()`) and the process has fewer devices than the case: start it
+    with the case's count. Only a concrete mesh asks, so the backend it counts has started already."""
+    size, wanted = math.prod(n for _, n in shape), math.prod(n for _, n in want)
+    concrete = any(isinstance(mesh, jax.sharding.Mesh) and mesh_shape(mesh) == shape
+                   for mesh, _ in _named_meshes(closed))
+    if not concrete or size >= wanted or size != jax.device_count():
+        return ""
+    return (f"; this process has {size} device{'s' * (size != 1)} and the program's mesh spans all of them: start it "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds it; "
+            "a pytest or Python process needs it set before JAX starts)")
 
 
 def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh") -> None:
@@ -122,7 +143,8 @@ def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the 
             raise BadInput(f"{what} places its arrays on its own mesh {mesh_text(shape)} ({where}), not on "
                            f"{case_mesh} {mesh_text(want)}: give the case the program's mesh (the rule file's "
                            "mesh_axes and the ici_/dcn_*_parallelism settings), or build the program's mesh "
-                           "with the case's device count (jax.devices()) or from jax.sharding.get_abstract_mesh()")
+                           "with the case's device count (jax.devices()) or from jax.sharding.get_abstract_mesh()"
+                           + _device_hint(closed, shape, want))
 
 
 # --- what the program declares --------------------------------------------------------------------------

@@ -75,6 +75,37 @@ def test_a_mesh_of_the_programs_own_is_refused_naming_both():
     check_mesh(closed, jax.sharding.get_abstract_mesh(), "the program's init")  # no mesh: nothing to hold it to
 
 
+def test_a_mesh_over_every_device_of_a_process_with_too_few_says_how_many_to_start_with():
+    """A program that builds its mesh over `jax.devices()` (Kauldron's DEVICES_MESH) in a process with
+    fewer devices than the case (pytest, where no command adds them) is told the XLA_FLAGS that start
+    the process with the case's count; the same mesh given abstractly is not a process's devices."""
+    import flax.linen as nn
+    import numpy as np
+
+    devices = jax.device_count()
+    case = AbstractMesh((2 * devices,), ("devices",), axis_types=(AxisType.Auto,))
+    model = nn.Dense(16)
+
+    def init_on(mesh):
+        def init():
+            params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((2, 8)))
+            shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+            return jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), jnp.ones((2, 8)))
+        return init
+
+    concrete = jax.sharding.Mesh(np.asarray(jax.devices()), ("devices",))
+    hint = (f"this process has {devices} device{'s' * (devices != 1)} and the program's mesh spans all of them: "
+            f"start it with XLA_FLAGS=--xla_force_host_platform_device_count={2 * devices} ")
+    with jax.sharding.use_abstract_mesh(case):
+        closed = jax.make_jaxpr(init_on(concrete))()
+        abstract = jax.make_jaxpr(init_on(concrete.abstract_mesh))()
+    with pytest.raises(BadInput, match=rf"not on the case's mesh devices={2 * devices}: .*; {re.escape(hint)}"):
+        check_mesh(closed, case, "the program's init")
+    with pytest.raises(BadInput) as refused:
+        check_mesh(abstract, case, "the program's init")
+    assert "XLA_FLAGS" not in str(refused.value)
+
+
 # --- a program that places its own batch and constrains its whole state at the end of its step -----------
 
 def fsdp_specs(strategy) -> dict[str, tuple]:
