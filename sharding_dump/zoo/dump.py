@@ -94,7 +94,7 @@ def setup_case(case: Case) -> CaseSetup:
     values = settings.resolve(case.overrides, card_defaults, mesh_defaults)
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
-    serving.check_settings(case, serving.serving_program(case) is not None)
+    serving.check_settings(case)
     if case.model_ref.kind == "factory":
         config, pipeline = None, None
         _check_factory_settings(case, values, plan)

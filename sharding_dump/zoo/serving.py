@@ -45,10 +45,11 @@ def serving_program(case: Case) -> ServingProgram | None:
     return program if isinstance(program, ServingProgram) else None
 
 
-def check_settings(case: Case, is_serving: bool) -> None:
-    """Serving settings given to a training case are bad input (nothing would read them)."""
+def check_settings(case: Case) -> None:
+    """Serving settings given to a training case are bad input (nothing would read them). The program
+    is built only when such a setting is given: `verify` runs the user's code in its child alone."""
     given = [key for key, _ in case.overrides if key in SERVING_SETTINGS]
-    if given and not is_serving:
+    if given and serving_program(case) is None:
         raise BadInput(f"{given[0]}: applies to serving programs only (an sd.ServingProgram); model {case.model!r} "
                        "is trained, not served")
 
