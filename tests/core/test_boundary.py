@@ -118,6 +118,11 @@ def test_a_call_in_another_thread_is_bounded_too():
 
 
 def test_a_real_ctrl_c_passes_through_and_handlers_and_timers_are_restored():
+    # A process started in the background of a script (`pytest &`) ignores SIGINT from its start, and a
+    # guarded call leaves an ignored SIGINT ignored: listen as a terminal's process does, for this test.
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)
     signal.setitimer(signal.ITIMER_REAL, 100)  # someone else's timer (pytest-timeout's) runs on after
     try:
@@ -130,6 +135,8 @@ def test_a_real_ctrl_c_passes_through_and_handlers_and_timers_are_restored():
         assert 90 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def test_what_a_call_changes_in_the_process_is_put_back(tmp_path, monkeypatch):
