@@ -179,7 +179,8 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
                            1 if args.num_slices is None else args.num_slices, overrides, project=False)]
     for case in cases:
-        give_cpu_devices(case)
+        if case.model_ref.kind == "factory":  # a user's program may build its mesh from jax.devices()
+            give_cpu_devices(case)
         setup_case(case)
     return cases
 
@@ -208,7 +209,9 @@ def give_cpu_devices(case: Case) -> None:
     """The case's device count as CPU devices, after the user's own XLA_FLAGS, for a program that builds
     its concrete mesh from `jax.devices()` (Levanter's trainer does): XLA reads it when the CPU backend
     starts, which no dump does itself (so the count costs nothing otherwise); once a backend runs, its
-    devices stay what they are."""
+    devices stay what they are (under --all, the backend a program starts has the count of the last
+    program case set up). The zoo's cases get none: they never start a backend, and a 16384-device
+    topology's count would make a later program's jax.devices() start that many."""
     from sharding_dump.zoo.topology import load_topology
 
     devices = load_topology(case.topology, case.num_slices).num_devices
