@@ -4,7 +4,8 @@ MaxText 0.2.5 has only its NNX build; sharding-dump writes the Linen build's lay
 (`tests/data/maxtext/releases/<version>/`, source and licence in tests/data/maxtext/README.md) are read
 by `tools/compare_maxtext.py --nnx`: every parameter and optimizer leaf by path, shape and placement
 (size-1 mesh axes aside, as the NNX build writes specs), its RNG-state leaves counted apart. A missing
-reference fails, it is not skipped.
+reference fails, it is not skipped. Their activation records (and those of e591f30's NNX build of a
+pipeline, `releases/0.2.4/`) are found among ours by name.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ def test_release_case_matches_maxtexts_nnx_dump(entry, tmp_path):
     assert ok, report
 
 
-# Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline.
-ACTIVATION_ONLY = [
-    ("0.2.5", "llama2-7b", "v5p-8", "default", {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}),
-]
+# Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline, as
+# 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
+PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
+ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE), ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE),
+                   ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {})]
 # MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
 # site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
 # records its stages' own constraints at the stage's shape (36 records, 14 checked).
