@@ -120,8 +120,11 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def cli_args(text: str) -> list[str]:
-    """The words of a dump command, with a default model, topology and rule."""
+    """The words of a dump command, with a default model, topology and rule (none with --maxtext-config,
+    which names them)."""
     words = text.split()
+    if "--maxtext-config" in words:
+        return words
     for flag, default in (("--model", "llama2-7b"), ("--topology", "v5p-8"), ("--rule", "default")):
         if flag not in words:
             words = [flag, default] + words

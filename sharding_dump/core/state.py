@@ -93,12 +93,18 @@ def takes(fn: Callable[..., Any], name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+SEGMENT_FIELD = "inputs_segmentation"  # a batch's segment ids (MaxText's field), for a model that takes them
+
+
 def tokens_call(module: Any, batch: dict[str, Any], rngs: dict[str, jax.Array]) -> Any:
-    """The plain call: `module(tokens)`, plus `positions=` when its `__call__` takes it."""
+    """The plain call: `module(tokens)`, plus `positions=` when its `__call__` takes it, and
+    `segment_ids=` when it takes them and the batch has them."""
     call = module.__call__ if isinstance(module, nn.Module) else type(module).__call__
-    if "positions" in _parameters(call):
-        return module(batch["inputs"], positions=batch["inputs_position"])
-    return module(batch["inputs"])
+    params = _parameters(call)
+    extra = {"segment_ids": batch[SEGMENT_FIELD]} if SEGMENT_FIELD in batch and "segment_ids" in params else {}
+    if "positions" in params:
+        return module(batch["inputs"], positions=batch["inputs_position"], **extra)
+    return module(batch["inputs"], **extra)
 
 
 def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:

@@ -12,8 +12,14 @@ score matrix is written out.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import jax
 import jax.numpy as jnp
+
+from sharding_dump.core.capture import constrain
 
 # Logical axes of the activations MaxText's standard attention constrains in training (inputs, q/k/v,
 # output before the out projection): the `_attn` names of its attention layer.
@@ -24,6 +30,28 @@ ATTENTION_OUT = ("activation_batch_attn", "activation_length_attn", "activation_
 MLA_INPUT = ("activation_batch_attn", "activation_length", "activation_embed")
 MLA_QKV = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
 MLA_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv")
+# The batch's segment ids as MaxText's attention constrains them before its kernel (its `decoder_segment_ids`,
+# on the query's batch and length axes); only its NNX build feeds them to the layers.
+SEGMENT_IDS = ("activation_batch_attn", "activation_q_length")
+SEGMENT_IDS_NAME = "decoder_segment_ids"
+_SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("decoder_segment_ids", default=None)
+
+
+@contextlib.contextmanager
+def segment_ids(ids: jax.Array | None) -> Iterator[None]:
+    """Every attention called in the block masks and constrains `ids` (batch, length) as its segment
+    ids (None: no segment ids). The decoder sets them once for all its layers, a pipeline stage its
+    microbatch's, so no layer signature carries them."""
+    reset = _SEGMENTS.set(ids)
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(reset)
+
+
+def current_segment_ids() -> jax.Array | None:
+    """The segment ids :func:`segment_ids` set for the attentions called now (None: none)."""
+    return _SEGMENTS.get()
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scale: float,
@@ -40,7 +68,10 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
     and `float32_logits` false: scores, mask, softmax and weighted values all in the query's dtype,
     the values weighted by the unnormalised exponentials and divided by their sum afterwards. A
     bfloat16 step so holds its (b, kv_heads, group, t, s) scores in bfloat16, as MaxText's does: in
-    float32 they would double the largest buffers of a compiled step."""
+    float32 they would double the largest buffers of a compiled step.
+
+    Inside :func:`segment_ids`, a query sees only keys of its own segment, and the segment ids are
+    constrained first (`decoder_segment_ids`), as MaxText's NNX build constrains them."""
     batch, length, heads, _ = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
@@ -57,6 +88,10 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
         visible &= positions[None, :] > positions[:, None] - sliding_window
     if selected is not None:
         visible = visible & selected[:, None, None]
+    segments = current_segment_ids()
+    if segments is not None:
+        segments = constrain(segments, SEGMENT_IDS, SEGMENT_IDS_NAME)
+        visible = visible & (segments[:, :, None] == segments[:, None, :])[:, None, None]
     logits = jnp.where(visible, logits, jnp.finfo(dtype).min)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(dtype).reshape(kv_heads, group, 1, 1), logits.shape[:-1] + (1,))

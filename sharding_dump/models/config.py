@@ -29,6 +29,9 @@ NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"), ("spar
 # release): the logical axis of every attention kernel's embed dimension, and that of the router kernel of
 # MaxText's RoutedAndSharedMoE.
 RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"))
+# Which of MaxText's builds the layers mirror (the zoo sets it from the case's settings): its NNX build
+# feeds the batch's segment ids to every attention, which constrains them (`decoder_segment_ids`).
+BUILD_FIELDS = (("segment_ids", bool, False),)
 
 
 def frozen(value: Any) -> Any:
@@ -66,7 +69,7 @@ def _config_class() -> type:
             required.append((name, kind))
         else:
             optional.append((name, kind, dataclasses.field(default=frozen(prop.get("default")))))
-    optional += [(name, kind, dataclasses.field(default=default)) for name, kind, default in NUMERICS + RELEASE_FIELDS]
+    optional += [(name, kind, dataclasses.field(default=default)) for name, kind, default in NUMERICS + RELEASE_FIELDS + BUILD_FIELDS]
     doc = "A model card's hyperparameters (data/schemas/model-card.schema.json) and its numerics."
     return dataclasses.make_dataclass("ModelConfig", required + optional, bases=(_Derived,), frozen=True,
                                       namespace={"__doc__": doc, "__module__": __name__})

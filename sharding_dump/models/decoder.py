@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 
 from sharding_dump.core.capture import constrain
+from sharding_dump.models import attention
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.layers import BLE, Embed, RMSNorm, output_logits
 from sharding_dump.models.pipeline import PipelineConfig, apply_layer_stack, stage_as_data
@@ -138,9 +139,12 @@ class DecoderLM(nn.Module):
         stacks = self.stacks(self.cfg) if self.pipeline is None else self.pipeline_stacks(self.cfg)
         self.decoder = Decoder(self.cfg, stacks, self.pipeline, shared, self.final_norm)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """`segment_ids` (batch, length): every attention masks and constrains them (the config's
+        `segment_ids`, MaxText's NNX build; ignored otherwise)."""
         x = constrain(self.token_embedder(tokens), BLE, "embedded_inputs")
-        return self.decoder(x, positions)
+        with attention.segment_ids(segment_ids if self.cfg.segment_ids else None):
+            return self.decoder(x, positions)
 
 
 def pipelined_stack(family: type, cfg: ModelConfig) -> Stack | None:

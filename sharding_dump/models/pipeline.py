@@ -35,7 +35,7 @@ Step (what the traced jaxpr holds), per iteration t of M R + N - 1:
 * stage 0 reads microbatch t from `state_io` [N, M/N, ...] (or, on a later repeat, from the circular
   storage [N, M, ...], or straight from the shift when M = N); stage s > 0 reads the shift;
 * every stage runs its layers at once (vmap over the stage axis, `spmd_axis_name="stage"`), with the
-  weights of the repeat it is on;
+  weights of the repeat it is on (and, given segment ids, those of the microbatch it is on);
 * the outputs move one stage on: a `jax.lax.ppermute` ring shift inside `jax.shard_map` over `stage`;
   `state_io` moves one stage back the same way, the last stage's output entering at the end.
 
@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec
 
 from sharding_dump.core.capture import constrain, module_prefix
 from sharding_dump.core.specs import entry_axes
+from sharding_dump.models.attention import current_segment_ids, segment_ids
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.layers import NNX_STACK, scan_layers
 
@@ -198,13 +199,21 @@ def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Arr
     state_io = constrain(x.reshape((n, k) + micro_shape), (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:],
                          "pipeline_state_io")
     micro_positions = positions.reshape((m, micro_shape[0]) + positions.shape[1:])
+    segments = current_segment_ids()  # each stage's attentions take those of the microbatch it is on
+    micro_segments = None if segments is None else segments.reshape((m, micro_shape[0]) + segments.shape[1:])
     shift = constrain(jnp.zeros((n,) + micro_shape, x.dtype), STAGE_BUFFER_AXES, "pipeline_shift")
     circ = None
     if pp.uses_circular_storage:
         circ = constrain(jnp.zeros((n, m) + micro_shape, x.dtype), (STAGE_BUFFER_AXES[0], None) + STAGE_BUFFER_AXES[1:],
                          "pipeline_circular_storage")
     stage_ids = _stage_ids(n, shift.ndim)
-    stage_run = jax.vmap(stage_fn, spmd_axis_name=STAGE_AXIS)
+
+    def stage_with_segments(stage_weights: Any, inputs: jax.Array, stage_positions: jax.Array,
+                            stage_segments: jax.Array | None) -> jax.Array:
+        with segment_ids(stage_segments):
+            return stage_fn(stage_weights, inputs, stage_positions)
+
+    stage_run = jax.vmap(stage_with_segments, spmd_axis_name=STAGE_AXIS)
 
     def iteration(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
         state_io, shift, circ = carry
@@ -221,8 +230,9 @@ def run_pipeline(pp: PipelineConfig, stage_fn: Callable[[Any, jax.Array, jax.Arr
         inputs = jax.ad_checkpoint.checkpoint_name(inputs, ITERATION_INPUT)
         ages = t - jnp.arange(n)  # microbatch-steps each stage is into the schedule
         stage_positions = jnp.take(micro_positions, ages % m, axis=0)
+        stage_segments = None if micro_segments is None else jnp.take(micro_segments, ages % m, axis=0)
         stage_weights = weights if r == 1 else _select_repeat(weights, jnp.clip(ages // m, 0, r - 1))
-        outputs = constrain(stage_run(stage_weights, inputs, stage_positions), STAGE_BUFFER_AXES,
+        outputs = constrain(stage_run(stage_weights, inputs, stage_positions, stage_segments), STAGE_BUFFER_AXES,
                             "pipeline_stage_outputs")
         shift = constrain(_ring_shift(outputs, 1, n), STAGE_BUFFER_AXES, "pipeline_shift")
         column = jnp.where(stage_ids == n - 1, outputs, _ring_shift(column, -1, n))

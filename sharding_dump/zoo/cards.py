@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import (NOT_MODEL_FIELDS, NUMERICS, RELEASE_FIELDS, ModelConfig, default_of, frozen,
-                                          is_default)
+from sharding_dump.models.config import (BUILD_FIELDS, NOT_MODEL_FIELDS, NUMERICS, RELEASE_FIELDS, ModelConfig,
+                                          default_of, frozen, is_default)
 from sharding_dump.resources import DATA_DIR, MODELS_DIR, load_yaml, validate
 from sharding_dump.zoo.settings import parse_overrides
 
@@ -349,7 +349,8 @@ def check_card_consistency(card: dict[str, Any], where: str) -> None:
 def load_config(ref: str, **run_settings: Any) -> ModelConfig:
     """The ModelConfig of a card (by name or path), with run settings (e.g. weight_dtype) applied."""
     data = {field: frozen(value) for field, value in load_card(ref).items() if field not in NOT_MODEL_FIELDS}
-    numerics = {name: run_settings[name] for name, _, _ in NUMERICS + RELEASE_FIELDS if name in run_settings}
+    numerics = {name: run_settings[name] for name, _, _ in NUMERICS + RELEASE_FIELDS + BUILD_FIELDS
+                if name in run_settings}
     return ModelConfig(**data, **numerics)
 
 

@@ -28,7 +28,7 @@ from sharding_dump.core.legacy_mesh import legacy_mesh
 from sharding_dump.core.optimizer import state_with_slots
 from sharding_dump.core.placement import box_named_arrays, box_params_axes, placed
 from sharding_dump.core.program import ModelProgram, TrainProgram, boxed_view
-from sharding_dump.core.state import Model, abstract_key, abstract_train_state, as_model, explicit_train_state
+from sharding_dump.core.state import SEGMENT_FIELD, Model, abstract_key, abstract_train_state, as_model, explicit_train_state
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step
 from sharding_dump.errors import BadInput, ProgramLayoutWarning, UnevenSplitWarning
 from sharding_dump.golden import codec
@@ -100,7 +100,8 @@ def setup_case(case: Case) -> CaseSetup:
         _check_factory_settings(case, values, plan)
     else:
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"], **case.release.model)
+                                   sparse_matmul=values["sparse_matmul"], segment_ids=releases.nnx_build(values),
+                                   **case.release.model)
         releases.check_model(case.release, config.name, config.routed_bias)
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
@@ -400,13 +401,15 @@ def case_step(setup: CaseSetup) -> Step:
 
 
 def batch_fields(case: Case) -> dict[str, Any]:
-    """The batch fields of the case's step: the token fields of a card, a program's own (its Input
-    per name; None for a card's token fields)."""
+    """The batch fields of the case's step: the token fields of a card (with their segment ids in
+    MaxText's NNX build, whose attention constrains them), a program's own (its Input per name; None
+    for a card's token fields)."""
     if serving.serving_program(case) is not None:  # no training batch: each step has inputs of its own
         return {}
     if case.model_ref.kind == "factory":
         return factory_program(case.model).batch_fields()
-    return {name: None for name in BATCH_FIELDS}
+    segments = (SEGMENT_FIELD,) if releases.nnx_build(dict(case.overrides)) else ()
+    return {name: None for name in BATCH_FIELDS + segments}
 
 
 def case_batch(setup: CaseSetup) -> dict[str, Any]:
@@ -436,8 +439,25 @@ def trace_case(setup: CaseSetup) -> tuple[ClosedJaxpr, Recording]:
 
 def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
     """Every activation constraint of one training step of the case's model on its mesh (traced once
-    per process for setups with equal step inputs: the golden dump and `check` of a case share it)."""
-    return step_reading(setup).constraints
+    per process for setups with equal step inputs: the golden dump and `check` of a case share it), as
+    the case's MaxText build records them: its NNX build records a pipeline stage's own constraints at
+    the stage's shape (see :func:`per_stage`)."""
+    constraints = step_reading(setup).constraints
+    if setup.config is None or not releases.nnx_build(setup.values):
+        return constraints
+    return tuple(per_stage(c) for c in constraints)
+
+
+def per_stage(constraint: Constraint) -> Constraint:
+    """A constraint placed inside a vmap (a pipeline's stages, vmapped over `stage`) as the function the
+    vmap runs placed it: without the leading dimensions the vmap added, which its logical axes do not
+    name (MaxText's NNX build records a stage's activations so, where its Linen build records none).
+    Any other constraint is returned as it is."""
+    added = len(constraint.shape) - len(constraint.logical_axes)
+    if not constraint.logical_axes or added <= 0:
+        return constraint
+    spec = tuple(constraint.partition_spec) + (None,) * (len(constraint.shape) - len(constraint.partition_spec))
+    return dataclasses.replace(constraint, shape=constraint.shape[added:], partition_spec=PartitionSpec(*spec[added:]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -29,11 +30,17 @@ from typing import Any, Mapping, Sequence
 from sharding_dump.core import specs
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import codec
+from sharding_dump.resources import DATA_DIR, load_yaml, validate
 
 REFERENCE_FILE = "input_shardings.json"
 # `name: dtype[4,2048]`; in explicit mode a dimension carries its mesh axes too (`6@fsdp`).
-_KEY = re.compile(r"(?P<name>.+): (?P<dtype>[A-Za-z0-9_]+)\[(?P<shape>[0-9A-Za-z_@, ]*)\]")
+# A PRNG key array's dtype is written `key<impl>` (`key<urbg>[16,2]`).
+_KEY = re.compile(r"(?P<name>.+): (?P<dtype>[A-Za-z0-9_]+(?:<[A-Za-z0-9_]+>)?)\[(?P<shape>[0-9A-Za-z_@, ]*)\]")
 NormalSpec = specs.SpecAxes
+# A dimension left to the partitioner (`P.UNCONSTRAINED`, printed bare): read as this name, which no mesh
+# axis of ours has, so such an entry never equals a spec of ours.
+UNCONSTRAINED = "UNCONSTRAINED"
+_UNCONSTRAINED = re.compile(r"\bUNCONSTRAINED\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +109,8 @@ def parse_reference(data: Any, where: str) -> list[ReferenceEntry]:
         spec_text = value["PartitionSpec"].strip()
         if not (spec_text.startswith("P(") and spec_text.endswith(")")):
             raise BadInput(f"{where}: item {index} PartitionSpec: {spec_text!r} is not P(...)")
-        spec = _literal(f"[{spec_text[2:-1]}]", f"{where}: item {index} PartitionSpec")
+        inner = _UNCONSTRAINED.sub(repr(UNCONSTRAINED), spec_text[2:-1])
+        spec = _literal(f"[{inner}]", f"{where}: item {index} PartitionSpec")
         out.append(ReferenceEntry(match["name"], match["dtype"], shape, axes, specs.spec_axes(spec, len(shape))))
     return out
 
@@ -118,23 +126,56 @@ def load_reference(path: Path) -> list[ReferenceEntry]:
     return parse_reference(data, str(path))
 
 
-def compare(reference: Sequence[ReferenceEntry], ours: Mapping[str, Any]) -> Comparison:
-    """Checks every reference entry with known logical axes against our activation document."""
+CALL_SITES_FILE = DATA_DIR / "maxtext_call_sites.yml"
+UNNAMED = "Unknown"  # MaxText's name of a call site where it found no variable
+
+
+@functools.cache
+def call_sites() -> dict[str, tuple[str, ...]]:
+    """data/maxtext_call_sites.yml: MaxText's `<file>/<variable>` of a constraint -> the zoo's names of it."""
+    data = load_yaml(CALL_SITES_FILE, "MaxText call sites file")
+    validate(data, "maxtext-call-sites", f"MaxText call sites file {CALL_SITES_FILE}")
+    return {site: tuple(names) for site, names in data["call_sites"].items()}
+
+
+def compare(reference: Sequence[ReferenceEntry], ours: Mapping[str, Any],
+            sites: Mapping[str, Sequence[str]] | None = None) -> Comparison:
+    """Checks every reference entry with known logical axes against our activation document: on its
+    layout alone, or, given `sites` (MaxText call site -> our names, see :func:`call_sites`), by name too:
+    a named entry is matched only by ours of those names, one whose call site the table lacks is a
+    mismatch, and an entry with unknown logical axes whose call site the table has is checked on its
+    shape, dtype and placement (MaxText's `Unknown` call sites stay matched on layout alone)."""
     sizes = dict(zip(ours["mesh"]["axis_names"], ours["mesh"]["axis_sizes"]))
     index: dict[tuple, list[tuple[str, NormalSpec]]] = {}
     forward_first = sorted(ours["tensors"].items(), key=lambda item: (item[1]["pass"] != "forward", item[0]))
     for key, entry in forward_first:
+        spec = specs.spec_axes(entry["partition_spec"], len(entry["shape"]), sizes)
         layout = (tuple(entry["shape"]), entry["dtype"], tuple(entry["logical_axes"]))
-        index.setdefault(layout, []).append((key, specs.spec_axes(entry["partition_spec"], len(entry["shape"]), sizes)))
+        index.setdefault(layout, []).append((key, spec))
+        if sites is not None:  # by name: (shape, dtype, name) for entries MaxText knows no axes of
+            index.setdefault((tuple(entry["shape"]), entry["dtype"], entry["name"]), []).append((key, spec))
     result = Comparison()
     for ref in reference:
-        if ref.logical_axes is None:
+        named = sites is not None and ref.name != UNNAMED
+        names = tuple(sites.get(ref.name, ())) if sites is not None else ()
+        if ref.logical_axes is None and not names:
             result.unknown += 1
             continue
         result.checked += 1
-        candidates = index.get((ref.shape, ref.dtype, ref.logical_axes), [])
+        if named and not names:
+            result.mismatches.append(f"{ref.describe()}: MaxText call site {ref.name!r} has no zoo names in "
+                                     f"{CALL_SITES_FILE.name}")
+            continue
+        if ref.logical_axes is None:
+            candidates = [c for name in names for c in index.get((ref.shape, ref.dtype, name), [])]
+        else:
+            candidates = index.get((ref.shape, ref.dtype, ref.logical_axes), [])
+            if named:
+                candidates = [c for c in candidates if c[0].rsplit("/", 1)[-1] in names]
         if not candidates:
-            result.mismatches.append(f"{ref.describe()}: no activation with this shape, dtype and logical axes")
+            what = f"named {'/'.join(names)} " if named else ""
+            result.mismatches.append(f"{ref.describe()}: no activation {what}with this shape, dtype and "
+                                     f"{'placement' if ref.logical_axes is None else 'logical axes'}")
         elif not any(spec == ref.spec for _, spec in candidates):
             key, spec = candidates[0]
             more = f" and {len(candidates) - 1} more" if len(candidates) > 1 else ""
@@ -147,9 +188,11 @@ def _show(spec: NormalSpec) -> str:
     return json.dumps([None if not axes else axes[0] if len(axes) == 1 else list(axes) for axes in spec])
 
 
-def compare_trees(reference_root: Path, golden_root: Path, activation_file: str) -> dict[str, Comparison]:
+def compare_trees(reference_root: Path, golden_root: Path, activation_file: str,
+                  sites: Mapping[str, Sequence[str]] | None = None) -> dict[str, Comparison]:
     """Every `input_shardings.json` under `reference_root` against our activation file in the folder of
-    the same relative path under `golden_root` (the folder naming is the same); keyed by that path."""
+    the same relative path under `golden_root` (the folder naming is the same), by name with `sites`
+    (see :func:`compare`); keyed by that path."""
     found = sorted(Path(reference_root).rglob(REFERENCE_FILE))
     if not found:
         raise BadInput(f"{reference_root}: no {REFERENCE_FILE} below it")
@@ -161,5 +204,5 @@ def compare_trees(reference_root: Path, golden_root: Path, activation_file: str)
             results[folder.as_posix()] = Comparison(missing=f"no {activation_file} in {ours_path.parent} "
                                                             "(is the case in the matrix?)")
             continue
-        results[folder.as_posix()] = compare(load_reference(path), codec.read_document(ours_path))
+        results[folder.as_posix()] = compare(load_reference(path), codec.read_document(ours_path), sites)
     return results

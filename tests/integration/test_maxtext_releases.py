@@ -4,7 +4,8 @@ MaxText 0.2.5 has only its NNX build; sharding-dump writes the Linen build's lay
 (`tests/data/maxtext/releases/<version>/`, source and licence in tests/data/maxtext/README.md) are read
 by `tools/compare_maxtext.py --nnx`: every parameter and optimizer leaf by path, shape and placement
 (size-1 mesh axes aside, as the NNX build writes specs), its RNG-state leaves counted apart. A missing
-reference fails, it is not skipped.
+reference fails, it is not skipped. Their activation records (and those of e591f30's NNX build of a
+pipeline, `releases/0.2.4/`) are found among ours by name.
 """
 
 from __future__ import annotations
@@ -50,21 +51,43 @@ def test_release_case_matches_maxtexts_nnx_dump(entry, tmp_path):
     assert ok, report
 
 
-def test_release_activations_appear_in_our_activation_dump(tmp_path):
-    """MaxText 0.2.5's activation records (its dump with debug_sharding=true) with known logical axes appear
-    in ours with the same shape, dtype, logical axes and spec (size-1 mesh axes dropped)."""
+# Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline, as
+# 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
+PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
+ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE), ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE),
+                   ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {})]
+# MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
+# site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
+# records its stages' own constraints at the stage's shape (36 records, 14 checked).
+CHECKED = {("qwen3-0.6b", "default"): 8, ("qwen3-0.6b", "fsdp-as-dp-for-attn"): 8, ("deepseek2-16b", "default"): 22,
+           ("llama2-7b", "default"): 14}
+
+
+def activation_cases():
+    """Every kept MaxText activation dump and its case."""
+    kept = sorted(RELEASES.rglob("input_shardings.json"))
+    assert kept, f"no MaxText activation dump under {RELEASES}"
+    entries = {golden_dir(case_of(*c), RELEASES / c[0]): c for c in CASES + ACTIVATION_ONLY}
+    assert all(path.parent in entries for path in kept), [str(p) for p in kept if p.parent not in entries]
+    return [(path, entries[path.parent]) for path in kept]
+
+
+@pytest.mark.parametrize("kept", activation_cases(), ids=lambda k: f"{k[1][0]}:{case_of(*k[1]).label}")
+def test_release_activations_match_ours_by_name(kept, tmp_path):
+    """MaxText 0.2.5's activation records (its NNX build's dump with debug_sharding=true), each found among
+    ours by name (its call site, data/maxtext_call_sites.yml) with the same shape, dtype, logical axes and
+    spec (size-1 mesh axes dropped); a record with unknown logical axes whose call site the table names
+    (decoder_segment_ids) on its shape, dtype and spec."""
     from sharding_dump.golden import codec
     from sharding_dump.zoo import reference
 
-    kept = sorted(RELEASES.rglob("input_shardings.json"))
-    assert kept, f"no MaxText activation dump under {RELEASES}"
-    for path in kept:
-        entry = next(c for c in CASES if golden_dir(case_of(*c), RELEASES / c[0]) == path.parent)
-        case = case_of(*entry)
-        check_or_update(case, tmp_path, update=True)
-        result = reference.compare(reference.load_reference(path),
-                                   codec.read_document(golden_dir(case, tmp_path) / "activation_shardings.json"))
-        assert result.mismatches == [] and result.ok and result.checked == 7, result  # 13 entries, 6 unknown axes
+    path, entry = kept
+    case = case_of(*entry)
+    check_or_update(case, tmp_path, update=True)
+    result = reference.compare(reference.load_reference(path),
+                               codec.read_document(golden_dir(case, tmp_path) / "activation_shardings.json"),
+                               reference.call_sites())
+    assert result.ok and result.checked == CHECKED[entry[1], entry[3]], result.report(case.label)
 
 
 def test_nnx_paths_read_as_the_linen_builds():

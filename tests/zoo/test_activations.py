@@ -1,5 +1,7 @@
 """Activation shardings: the recording helper, the traced step, the golden report, the batch settings."""
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,9 +13,11 @@ from helpers import REPO
 from sharding_dump.core import capture as activations
 from sharding_dump.core.capture import constrain
 from sharding_dump.core.layout import resolve
+from sharding_dump.core.state import SEGMENT_FIELD
 from sharding_dump.core.step import BATCH_FIELDS
 from sharding_dump.errors import BadInput
-from sharding_dump.zoo.case import Case
+from sharding_dump.zoo import releases
+from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.dump import (
     abstract_state_of,
     render_case,
@@ -56,7 +60,9 @@ def test_constraints_forward_backward_and_rule_resolution(qwen_trace):
     # Every float activation (inside the scanned, rematerialised layer too) is constrained on the way
     # back as well; the integer batch is not.
     assert set(backward) == {k for k, c in forward.items() if c.dtype == "bfloat16"}
-    assert {k for k, c in forward.items() if c.dtype == "int32"} == set(BATCH_FIELDS)
+    # The batch, and in MaxText's NNX build its segment ids, which every attention constrains.
+    assert {k for k, c in forward.items() if c.dtype == "int32"} == \
+        {*BATCH_FIELDS, SEGMENT_FIELD, "decoder/layers/self_attention/decoder_segment_ids"}
     for key, c in found.items():
         assert c.partition_spec == resolve(c.logical_axes, setup.rule_set), key
         assert c.dtype in ("bfloat16", "int32"), key
@@ -206,3 +212,32 @@ def test_activation_schema_rejects_bad_entries():
     doc["tensors"] = {"sideways/x": {}}
     with pytest.raises(BadInput, match="field tensors"):
         check_document(doc, "doc")
+
+
+# The Linen build's activation records of two cases as every earlier round wrote them (a layer stack, a pipeline).
+LINEN = REPO / "tests" / "data" / "linen-activations"
+LINEN_CASES = [Case.make("qwen3-0.6b", "tpu7x-16", "default"),
+               Case.make("llama2-7b", "v5p-8", "default",
+                         overrides={"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8})]
+
+
+@pytest.mark.parametrize("case", LINEN_CASES, ids=lambda c: c.label)
+def test_the_linen_build_keeps_its_activation_records_byte_for_byte(case, monkeypatch):
+    """Where the settings choose MaxText's Linen build (releases.nnx_build false: 0.2.4 with pure_nnx,
+    enable_nnx and pure_nnx_decoder false), no segment ids and a pipeline's stage records as the traced
+    step holds them, vmapped over `stage`: the activation golden of earlier rounds."""
+    monkeypatch.setattr(releases, "nnx_build", lambda values: False)
+    assert render_case(case)["activation_shardings.json"] == \
+        (golden_dir(case, LINEN) / "activation_shardings.json").read_bytes()
+
+
+def test_the_nnx_build_records_a_stage_at_its_own_shape():
+    """MaxText's NNX build records a pipeline stage's constraints as the stage function placed them, the
+    vmap's stage dimension left out; the stage buffers keep it (their logical axes name it)."""
+    tensors = json.loads(render_case(LINEN_CASES[1])["activation_shardings.json"])["tensors"]
+    stage = tensors["forward/decoder/pipeline_module/layers/self_attention/query"]
+    assert stage["shape"] == [6, 2048, 32, 128] and stage["partition_spec"][0] == ["data", "fsdp", "fsdp_transpose",
+                                                                                      "expert"]
+    segments = tensors["forward/decoder/pipeline_module/layers/self_attention/decoder_segment_ids"]
+    assert segments["shape"] == [6, 2048] and segments["logical_axes"] == ["activation_batch_attn", "activation_q_length"]
+    assert tensors["forward/decoder/pipeline_module/pipeline_shift"]["shape"] == [2, 6, 2048, 4096]

@@ -20,7 +20,7 @@ import yaml
 from helpers import REPO, sweep_beyond_first, tree_bytes
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
-from sharding_dump.models.config import NUMERICS, RELEASE_FIELDS, ModelConfig
+from sharding_dump.models.config import BUILD_FIELDS, NUMERICS, RELEASE_FIELDS, ModelConfig
 from sharding_dump.zoo import cards, maxtext_config, releases, settings
 from sharding_dump.zoo import cards as card_registry
 from sharding_dump.zoo.cards import load_card
@@ -92,7 +92,7 @@ def test_every_model_card_field_is_a_classified_maxtext_key():
     by_field = {spec.field: key for key, spec in table.model.items()}
     rules = {"logical_axis_rules"}
     # set by the run (settings) or by the MaxText release, not by the card
-    run_settings = {name for name, _, _ in NUMERICS + RELEASE_FIELDS}
+    run_settings = {name for name, _, _ in NUMERICS + RELEASE_FIELDS + BUILD_FIELDS}
     for field in {f.name for f in dataclasses.fields(ModelConfig)} - ZOO_ONLY_FIELDS - rules - run_settings:
         key = by_field.get(field, field)
         assert key in table.kind, f"card field {field} is no key of data/maxtext_keys.yml"

@@ -86,3 +86,57 @@ def test_tool_compares_trees_and_exits_by_result(tmp_path):
     bad = subprocess.run(tool + [str(tmp_path / "nope.json"), str(golden_root / CASE / "activation_shardings.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("compare_reference: error: ") and "no such file" in bad.stderr
+
+
+def test_by_name_a_record_is_matched_only_by_ours_of_its_call_sites_names(ours):
+    """With the call-site table, `attentions/query` must be ours named `query`: another name (one the table
+    is mutated to) does not do; a call site the table lacks is a mismatch, MaxText's
+    `Unknown` is matched on layout alone, and a named record of unknown axes (`decoder_segment_ids`) on its
+    shape, dtype and spec."""
+    kv = "('activation_kv_batch', 'activation_length_attn', 'activation_kv_heads', 'activation_kv_head_dim')"
+    entries = [
+        {"attentions/query: bfloat16[24576,2048,32,128]": {"logic_axes": kv, "PartitionSpec": "P('fsdp', None, 'tensor', None)"}},
+        {"attentions/key: bfloat16[24576,2048,32,128]": {"logic_axes": kv, "PartitionSpec": "P('fsdp', None, 'tensor', None)"}},
+        {"Unknown: bfloat16[24576,2048,32,128]": {"logic_axes": kv, "PartitionSpec": "P('fsdp', None, 'tensor', None)"}},
+        {"attentions/no_such_variable: bfloat16[24576,2048,32,128]": {"logic_axes": kv,
+                                                                      "PartitionSpec": "P('fsdp', None, 'tensor', None)"}},
+        {"attention_op/decoder_segment_ids: int32[24576,2048]": {"logic_axes": "Unknown", "PartitionSpec": "P('fsdp', None)"}},
+        {"attention_op/arr: int32[2048]": {"logic_axes": "Unknown", "PartitionSpec": "P(UNCONSTRAINED,)"}},
+        {"pipeline/inputs: key<urbg>[16,2]": {"logic_axes": "Unknown", "PartitionSpec": "P(UNCONSTRAINED, 'stage')"}},
+    ]
+    sites = reference.call_sites()
+    result = reference.compare(reference.parse_reference(entries, "ref"), ours, sites)
+    assert (result.checked, result.unknown) == (5, 2)
+    assert result.mismatches == [
+        "attentions/no_such_variable: bfloat16[24576, 2048, 32, 128] logical ['activation_kv_batch', "
+        "'activation_length_attn', 'activation_kv_heads', 'activation_kv_head_dim']: MaxText call site "
+        "'attentions/no_such_variable' has no zoo names in maxtext_call_sites.yml"]
+    renamed = {**sites, "attentions/query": ("attention_out",)}  # the table names another constraint
+    result = reference.compare(reference.parse_reference(entries[:1], "ref"), ours, renamed)
+    assert result.mismatches == [
+        "attentions/query: bfloat16[24576, 2048, 32, 128] logical ['activation_kv_batch', 'activation_length_attn', "
+        "'activation_kv_heads', 'activation_kv_head_dim']: no activation named attention_out with this shape, dtype "
+        "and logical axes"]
+    assert reference.compare(reference.parse_reference(entries[:1], "ref"), ours).ok  # on layout alone it passes
+
+
+def test_the_call_site_table_is_checked_against_its_schema(tmp_path, monkeypatch):
+    bad = tmp_path / "sites.yml"
+    bad.write_text("call_sites:\n  attentions/query: []\n")
+    monkeypatch.setattr(reference, "CALL_SITES_FILE", bad)
+    reference.call_sites.cache_clear()
+    try:
+        with pytest.raises(BadInput, match="MaxText call sites file .*sites.yml: .*attentions/query"):
+            reference.call_sites()
+    finally:
+        reference.call_sites.cache_clear()
+
+
+def test_maxtexts_published_dumps_match_our_goldens_by_name():
+    """`compare_reference.py --by-name` over MaxText's published deepseek2-16b dumps: every record with known
+    logical axes is found under the names of its call site, in every case."""
+    tool = [sys.executable, str(REPO / "tools/compare_reference.py"), "--by-name", "--reference-root",
+            str(REPO / "tests/data/maxtext/goldens"), "--golden-root", str(REPO / "golden")]
+    result = subprocess.run(tool, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("21/21 reference activations match") == 8 and result.stdout.endswith("8/8 cases match\n")

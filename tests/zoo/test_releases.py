@@ -152,3 +152,43 @@ def test_every_key_of_a_releases_base_yml_is_known_to_key_value(version):
             settings.parse_overrides(kept)
         except BadInput as err:
             assert str(err).startswith(f"{key}=") and "unknown setting" not in str(err), (key, str(err))
+
+
+WEAVER = ["weaver-mini", "weaver-max"]
+
+
+@pytest.mark.parametrize("model", WEAVER)
+def test_weaver_is_refused_naming_what_is_missing_from_the_model_option_and_its_own_config(tmp_path, capsys, model,
+                                                                                           monkeypatch):
+    """weaver-mini/max (0.2.5's new model configs): one line naming what the zoo lacks, exit 2, nothing written,
+    from `--model` and from `--maxtext-config` with MaxText 0.2.5's own base.yml and the config it names."""
+    monkeypatch.delenv("MAXTEXT_CONFIGS_DIR", raising=False)
+    missing = releases.release("0.2.5").models_missing[model]
+    assert_bad_input(tmp_path, capsys, f"--model {model} --topology tpu7x-16 --rule default maxtext_version=0.2.5",
+                     f"model '{model}': MaxText 0.2.5's model config '{model}' is not built by the zoo: {missing}")
+    assert (CONFIGS["0.2.5"] / "models" / f"{model}.yml").is_file()
+    assert_bad_input(tmp_path, capsys, f"--maxtext-config {CONFIGS['0.2.5'] / 'base.yml'} model_name={model} "
+                                       "compile_topology=tpu7x-16",
+                     f"the command line: model_name: MaxText 0.2.5's model config '{model}' is not built by the zoo: "
+                     f"{missing}")
+
+
+def test_maxtext_025s_own_base_yml_and_model_config_dump_the_model_case(tmp_path, capsys, monkeypatch):
+    """`--maxtext-config <0.2.5's base.yml> model_name=qwen3-0.6b`, as a MaxText user runs MaxText: the model
+    config is found beside base.yml (models/), as MaxText's pyconfig finds it, and the golden is that of
+    `--model qwen3-0.6b --rule default maxtext_version=0.2.5`, byte for byte."""
+    from sharding_dump.commands import cli
+    from sharding_dump.zoo.case import golden_dir
+
+    monkeypatch.delenv("MAXTEXT_CONFIGS_DIR", raising=False)
+    ours, theirs = tmp_path / "config", tmp_path / "model"
+    assert cli.main(["--maxtext-config", str(CONFIGS["0.2.5"] / "base.yml"), "model_name=qwen3-0.6b",
+                     "compile_topology=tpu7x-16", "--golden-dir", str(ours)]) == 0, capsys.readouterr().err
+    assert cli.main(["--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", "maxtext_version=0.2.5",
+                     "--golden-dir", str(theirs)]) == 0, capsys.readouterr().err
+    folder = golden_dir(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.5"}), ours)
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["activation_shardings.json", "logical_shardings.json", "named_shardings.json"]
+    for name in files:
+        assert (folder / name).read_bytes() == (golden_dir(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={
+            "maxtext_version": "0.2.5"}), theirs) / name).read_bytes()
