@@ -164,3 +164,37 @@ def test_a_70b_zoo_server_that_does_not_fit_names_the_largest_slot_count(capsys)
     assert "[memory] weights + KV cache per device at 256 slots x 8192 tokens" in out
     assert "the largest slot count that fits at 8192 tokens is 98 (per_device_batch_size=12.25 on 8 devices)" in out
     assert "at 256 slots the longest cache that fits is 3159 tokens" in out
+
+
+PAGED = '''
+import jax.numpy as jnp
+import sharding_dump as sd
+
+
+def init(key, settings):
+    pages = (settings.max_length // settings.page_size, settings.page_size) if settings.page_size else (settings.max_length,)
+    return {"weights": jnp.zeros((8, 4)), "cache": jnp.zeros((settings.slots,) + pages + (4,))}
+
+
+def generate(state, inputs, settings):
+    return state, {"next": inputs["tokens"] + 1}
+
+
+def program():
+    return sd.ServingProgram(init, {"generate": sd.ServingStep(generate, {"tokens": sd.Input(("slots", 1))})})
+'''
+
+
+@pytest.mark.parametrize("page_size, cache_shape", [(None, [4, 64, 4]), (16, [4, 4, 16, 4])])
+def test_page_size_on_the_command_line_reaches_the_programs_init(tmp_path, monkeypatch, fresh, page_size, cache_shape):
+    """page_size=16 (KEY=VALUE) is the ServingSettings.page_size the program's init builds its cache with."""
+    (tmp_path / "paged_server.py").write_text(PAGED)
+    (tmp_path / "rules.yml").write_text("mesh_axes: [x]\n")
+    monkeypatch.chdir(tmp_path)
+    given = {} if page_size is None else {"page_size": page_size}
+    case = Case.make("paged_server:program", "cpu-2", str(tmp_path / "rules.yml"), overrides={
+        "ici_x_parallelism": 2, "per_device_batch_size": 2, "max_target_length": 64, "max_prefill_predict_length": 16,
+        **given})
+    docs = dump.dump_case(case)
+    assert docs["named_shardings.json"]["tensors"]["cache"]["shape"] == cache_shape
+    assert docs["serving_steps.json"]["serving"]["page_size"] == (page_size or 0)
