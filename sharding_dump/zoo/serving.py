@@ -74,6 +74,9 @@ def zoo_server(config: Any, values: Mapping[str, Any], stages: int) -> ProgramKe
     if stages > 1:
         raise BadInput(f"{SERVE}=true: stage axis of size {stages}: a server's layers are not pipelined "
                        "(size the stage axis 1)")
+    if values["shard_mode"] == "explicit":
+        raise BadInput(f"shard_mode=explicit: the zoo serves a card as MaxEngine does, on a mesh of Auto axes "
+                       "(its linen decoder constrains, sharding in types would assert); give shard_mode=auto")
     if values["page_size"]:
         raise BadInput(f"page_size={values['page_size']}: the zoo serves MaxText's contiguous KV cache "
                        "(MaxEngine without paged attention); give page_size=0")

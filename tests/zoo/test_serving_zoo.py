@@ -137,6 +137,7 @@ def test_bad_serving_settings_of_a_factory_are_one_line(capsys, setting, message
     ({"max_prefill_predict_length": 2048}, "max_prefill_predict_length=2048: MaxText's KV cache needs "
                                            "max_target_length (2048) longer"),
     ({"quantize_kvcache": True, "serving": False}, "quantize_kvcache: applies to serving programs only"),
+    ({"shard_mode": "explicit"}, "shard_mode=explicit: the zoo serves a card as MaxEngine does, on a mesh of Auto axes"),
 ])
 def test_bad_serving_settings_of_a_card_are_one_line(overrides, message):
     from sharding_dump.errors import BadInput
