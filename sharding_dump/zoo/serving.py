@@ -34,7 +34,6 @@ from sharding_dump.zoo.mesh import MeshPlan
 
 SERVING_SETTINGS = ("max_prefill_predict_length", "quantize_kvcache", "page_size")
 SERVE = "serving"  # the setting that serves a model card (MaxEngine's prefill, insert and generate)
-ZOO_BLOCKS = ("llama2", "mistral", "qwen2", "qwen3")  # the decoder blocks the zoo serves (dense attention)
 
 ProgramKey = Any  # a factory reference (str), or a ZooServer: what builds the case's ServingProgram
 
@@ -68,8 +67,9 @@ def zoo_server(config: Any, values: Mapping[str, Any], stages: int) -> ProgramKe
     """The ZooServer of a card case with serving=true; BadInput when the zoo does not serve it so."""
     from sharding_dump.models.serving import ZooServer
 
-    if config.decoder_block not in ZOO_BLOCKS:
-        raise BadInput(f"{SERVE}=true: the zoo serves decoder blocks {', '.join(ZOO_BLOCKS)} (MaxText's KV cache "
+    served = served_blocks()
+    if config.decoder_block not in served:
+        raise BadInput(f"{SERVE}=true: the zoo serves decoder blocks {', '.join(served)} (MaxText's KV cache "
                        f"of their dense attention); model {config.name!r} is a {config.decoder_block} block")
     if stages > 1:
         raise BadInput(f"{SERVE}=true: stage axis of size {stages}: a server's layers are not pipelined "
@@ -85,6 +85,16 @@ def zoo_server(config: Any, values: Mapping[str, Any], stages: int) -> ProgramKe
                        f"needs max_target_length ({values['max_target_length']}) longer (its generate cache "
                        "holds the difference)")
     return ZooServer(config)
+
+
+def served_blocks() -> list[str]:
+    """The zoo's decoder blocks a card may be served as: those whose layer is the dense decoder layer,
+    the one that carries MaxText's KV cache."""
+    from sharding_dump.models.dense import DecoderLayer
+    from sharding_dump.zoo import cards
+
+    return sorted(name for name, block in cards.decoder_blocks().items()
+                  if block.entry_point is None and getattr(cards.block_class(name), "layer", None) is DecoderLayer)
 
 
 def program_key(setup: Any) -> ProgramKey:
