@@ -60,6 +60,10 @@ REVIEW_CASE = ("llama2-7b", "v5p-16")
 SERVING_CASE = ("examples.llama3_serving:llama3_70b", "v5e-8", "examples/llama3_serving_rules.yml",
                 {"ici_x_parallelism": 1, "ici_y_parallelism": 8, "shard_mode": "explicit", "per_device_batch_size": 8,
                  "max_target_length": 8192, "max_prefill_predict_length": 1024, "quantize_kvcache": True})
+ZOO_SERVING_CASE = ("llama2-70b", "v6e-8", "inference",
+                    {"ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 8, "weight_dtype": "bfloat16", "serving": True,
+                     "per_device_batch_size": 32, "max_target_length": 8192, "max_prefill_predict_length": 1024,
+                     "quantize_kvcache": True})
 SHOW_TENSOR = (["--model", "llama2-7b", "--topology", "tpu7x-2048", "--rule", "default", "ici_fsdp_parallelism=-1",
                 "ici_tensor_parallelism=8"], "params/decoder/layers/mlp/wi_0/kernel")
 
@@ -508,7 +512,8 @@ def outputs() -> tuple[dict[str, str], dict[str, str]]:
         act = Case.make(model, topology, str(_mutated(work, ACTIVATION_MUTATION).relative_to(work)))
         act_report = check_or_update(act, "golden", update=False).report
         blocks["activation-report"] = _cut(act_report, 1)
-    blocks["serving-memory"] = _serving_memory()
+    blocks["serving-memory"] = _serving_memory(SERVING_CASE)
+    blocks["zoo-serving-memory"] = _serving_memory(ZOO_SERVING_CASE)
     args, tensor = SHOW_TENSOR
     parser = options.Parser()
     show.add_arguments(parser)
@@ -568,13 +573,14 @@ def fixture_api() -> str:
     return "\n\n".join(parts)
 
 
-def _serving_memory() -> str:
-    """`check`'s memory finding of jax-llm-examples' Llama 3.1 70B served at 64 slots x 8192 on v5e-8."""
+def _serving_memory(served: tuple) -> str:
+    """`check`'s memory finding of a 70B server: jax-llm-examples' Llama 3.1 70B at 64 slots x 8192 on
+    v5e-8 (SERVING_CASE), the zoo's llama2-70b at 256 slots x 8192 on v6e-8 (ZOO_SERVING_CASE)."""
     from sharding_dump.commands import check
     from sharding_dump.zoo.case import Case
     from sharding_dump.zoo.dump import setup_case
 
-    model, topology, rule, overrides = SERVING_CASE
+    model, topology, rule, overrides = served
     case = Case.make(model, topology, rule, overrides=overrides)
     return check.render_findings(case, check.check_serving_memory(setup_case(case)))
 

@@ -18,6 +18,11 @@
 - a serving case (an sd.ServingProgram) has lints of its own (memory at its slots x length with
   the largest slot count that fits, a replicated KV cache, steps handing the cache on in another
   layout, kv heads or pages the axes splitting them do not divide): :func:`lint_serving`;
+- missing-axis: the rules' source names a mesh axis the mesh lacks (`missing_axes` of the rule file,
+  e.g. MaxText's inference.yml and `tensor_transpose`) and it reaches a weight, a cache or the batch:
+  where MaxText builds such a leaf's sharding it fails ('Resource axis ... is not found in mesh'); an
+  axis only activation rules name is not reported (MaxText drops it from the constraint, as for
+  ep-as-dp.yml's `context`);
 - pipeline-layers: a pipelined case that builds more decoder layers (and parameters) than the card's
   model, because MaxText counts `pipeline_parallel_layers` in units of a scanned block (gemma4-31b
   with a pipeline: 60 blocks of 6 layers, 360 layers). The golden is what the run builds; this says so.
@@ -229,6 +234,33 @@ def check_names(setup: CaseSetup, known: frozenset[str], layouts: list[TensorLay
         if name not in used:
             findings.append(Finding("unknown-name", f"logical axis '{name}'", why.format(name=name),
                                     (f"rule: {rule_text(setup.rule_set, index)}",)))
+    return findings
+
+
+def check_missing_axes(setup: CaseSetup, layouts: list[TensorLayout], batch: bool = True) -> list[Finding]:
+    """Mesh axes the rules' source names that the mesh lacks, where they reach a state leaf (or, in a
+    training case, `batch`, the batch through data_sharding): MaxText refuses those, and drops the axis
+    only from activation constraints (its remove_size_one_mesh_axis)."""
+    findings = []
+    rule_set = setup.rule_set
+    own = {name for (name, _), (path, _) in zip(rule_set.logical_axis_rules, rule_set.origins) if path == rule_set.path} \
+        if rule_set.origins else {name for name, _ in rule_set.logical_axis_rules}
+    for missing in rule_set.missing_axes:
+        named = set(missing.rules) & own  # a card's rule of the same name replaces the file's
+        reached = [t for t in layouts if named & set(t.logical_axes)]
+        by_batch = batch and missing.data_sharding
+        if not reached and not by_batch:
+            continue
+        names = sorted({n for t in reached for n in t.logical_axes if n in named})
+        what = [f"{len(reached)} state lea{'f' if len(reached) == 1 else 'ves'} ({', '.join(names)})"] if reached else []
+        what += ["the batch (data_sharding)"] if by_batch else []
+        findings.append(Finding(
+            "missing-axis", f"mesh axis '{missing.axis}'",
+            f"the rules' source names '{missing.axis}', which mesh_axes lacks ({display(rule_set.path)} drops it), and it "
+            f"reaches {' and '.join(what)}: MaxText refuses these ('Resource axis: {missing.axis} ... is not found in "
+            "mesh'); drop the axis from its rules, or add it to the mesh",
+            tuple(f"{t.path}  logical {list(t.logical_axes)}" for t in reached[:TOP_LEAVES])
+            + ((f"... and {len(reached) - TOP_LEAVES} more leaves",) if len(reached) > TOP_LEAVES else ())))
     return findings
 
 
@@ -468,7 +500,8 @@ def lint_serving(setup: CaseSetup, layouts: list[TensorLayout], known: frozenset
     activation_axes = frozenset(n for step in traced.steps for c in step.activations
                                 for n in c.logical_axes if n is not None)
     return (check_divisibility(setup, layouts) + check_names(setup, known, layouts, activation_axes)
-            + check_placement(setup, layouts) + check_serving_memory(setup)
+            + check_placement(setup, layouts) + check_missing_axes(setup, layouts, batch=False)
+            + check_serving_memory(setup)
             + check_cache_replicated(setup, traced, tolerance) + check_handoffs(traced, setup.plan.sizes))
 
 
@@ -485,7 +518,7 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
     settings = lint_settings()
     tolerance = settings.replicated_tolerance if tolerance is None else tolerance
     setup, layouts = case_layouts(case)
-    if serving.serving_program(case) is not None:  # a server: its state at slots x length, its steps' hand-offs
+    if serving.serves(case):  # a server: its state at slots x length, its steps' hand-offs
         return lint_serving(setup, layouts, settings.known_logical_axes, tolerance)
     activation_axes = None
     if setup.config is None:  # a user's model: its own activations name axes its weights may not
@@ -494,7 +527,8 @@ def lint_case(case: Case, tolerance: float | None = None) -> list[Finding]:
             + check_names(setup, settings.known_logical_axes, layouts, activation_axes)
             + check_placement(setup, layouts)
             + check_replicated(setup, layouts, tolerance) + check_memory(setup, layouts)
-            + check_pipeline_layers(setup, layouts) + check_handback(setup, layouts))
+            + check_pipeline_layers(setup, layouts) + check_handback(setup, layouts)
+            + check_missing_axes(setup, layouts))
 
 
 def parse_tolerance(text: str) -> float:

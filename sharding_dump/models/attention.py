@@ -26,6 +26,20 @@ from sharding_dump.core.capture import constrain
 ATTENTION_INPUT = ("activation_batch_attn", "activation_input_length_attn", "activation_embed_attn")
 QKV = ("activation_kv_batch", "activation_length_attn", "activation_kv_heads", "activation_kv_head_dim")
 ATTENTION_OUT = ("activation_batch_attn", "activation_length_attn", "activation_heads", "activation_kv")
+# In serving, MaxText's attention names them per model mode: a prefill (one prompt) and a generate step
+# (one token per slot) each have their own (`prefill_*` / `decode_*` axis names of its attention layer).
+SERVING_AXES = {
+    "prefill": {"input": ("activation_prefill_kv_batch", "prefill_activation_length", "activation_embed_attn"),
+                "query": ("activation_prefill_kv_batch", "prefill_activation_length", "activation_kv_heads",
+                          "activation_kv_head_dim"),
+                "key": ("activation_prefill_kv_batch", "prefill_activation_length", "activation_kv_heads",
+                        "activation_kv_head_dim"),
+                "out": ("activation_prefill_kv_batch", "prefill_activation_length", "activation_heads", "activation_kv")},
+    "autoregressive": {"input": ("decode_batch", "decode_length", "activation_embed_attn"),
+                       "query": ("decode_batch", "decode_length", "activation_heads", "activation_kv"),
+                       "key": ("decode_batch", "decode_length", "activation_kv_heads", "activation_kv"),
+                       "out": ("decode_batch", "decode_length", "activation_heads", "activation_kv")},
+}
 # Latent attention (DeepSeek's MLA) keeps the older, non-attention names for the same three points.
 MLA_INPUT = ("activation_batch_attn", "activation_length", "activation_embed")
 MLA_QKV = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
@@ -100,4 +114,20 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
     total = jnp.moveaxis(exps.sum(axis=-1, keepdims=True), 3, 1)  # (b, t, kv_heads, group, 1)
     out = jnp.einsum("bkgts,bskd->btkgd", exps[..., :length].astype(value.dtype), value)
     out = out / total.astype(out.dtype)
+    return out.reshape(batch, length, heads, value.shape[-1])
+
+
+def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, visible: jax.Array, *,
+                     scale: float) -> jax.Array:
+    """query (b, 1, heads, d) of one new token per slot over every cached key and value (b, s, kv_heads,
+    d) whose position holds a token (`visible`, (b, s)): a generate step's attention over the prefill
+    and generate caches, in the query's dtype."""
+    batch, length, heads, _ = query.shape
+    kv_heads = key.shape[2]
+    dtype = query.dtype
+    q = (query * jnp.asarray(scale, dtype)).reshape(batch, length, kv_heads, heads // kv_heads, query.shape[-1])
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, key.astype(dtype))
+    logits = jnp.where(visible[:, None, None, None, :], logits, jnp.finfo(dtype).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(value.dtype), value)
     return out.reshape(batch, length, heads, value.shape[-1])

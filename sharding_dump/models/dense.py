@@ -29,11 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from sharding_dump.core.capture import constrain
-from sharding_dump.models.attention import ATTENTION_INPUT, ATTENTION_OUT, QKV, causal_attention
+from sharding_dump.models.attention import (ATTENTION_INPUT, ATTENTION_OUT, QKV, SERVING_AXES, cached_attention,
+                                            causal_attention)
 from sharding_dump.models.config import ModelConfig
 from sharding_dump.models.decoder import DecoderLM
+from sharding_dump.models.kvcache import CacheSpec, KVCache
 from sharding_dump.models.layers import BLE, Dense, RMSNorm, activation
 from sharding_dump.models.rope import apply_rotary
+
+PREFILL_BLE = ("activation_batch", "prefill_activation_norm_length", "activation_embed")  # a layer's, in prefill
 
 
 class MlpBlock(nn.Module):
@@ -80,13 +84,16 @@ class Attention(nn.Module):
     global_qk_norm: bool = False  # norm over all heads at once, not per head (OLMo 3)
     use_rope: bool = True  # False: no position embedding at all (Llama 4's NoPE layers)
     qk_l2_norm: bool = False  # L2-normalise queries and keys after RoPE, no parameters (Llama 4)
+    cache: CacheSpec | None = None  # serving: the KV cache of a prefill or generate model (None: training)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         head_dim = cfg.resolved_head_dim
-        x_q = constrain(x, ATTENTION_INPUT, "inputs_q")
-        x_kv = constrain(x, ATTENTION_INPUT, "inputs_kv")
+        names = {"input": ATTENTION_INPUT, "query": QKV, "key": QKV, "out": ATTENTION_OUT} if self.cache is None \
+            else SERVING_AXES[self.cache.mode]
+        x_q = constrain(x, names["input"], "inputs_q")
+        x_kv = constrain(x, names["input"], "inputs_kv")
         bias = cfg.attention_bias  # on the query, key and value projections only, as MaxText's Qwen2
         q = Dense(cfg, (cfg.num_query_heads, head_dim), (cfg.attention_embed_axis,), ("q_heads", "kv"), bias, name="query")(x_q)
         k = Dense(cfg, (cfg.num_kv_heads, head_dim), (cfg.attention_embed_axis,), ("kv_heads", "kv_head_dim"), bias, name="key")(x_kv)
@@ -105,29 +112,39 @@ class Attention(nn.Module):
             k = apply_rotary(k, positions, cfg, timescale, scaling)
             if self.qk_l2_norm:
                 q, k = l2_normed(q, cfg), l2_normed(k, cfg)
-        q = constrain(q, QKV, "query")
-        k = constrain(k, QKV, "key")
-        v = constrain(v, QKV, "value")
-        out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window,
-                               soft_cap=cfg.attn_logits_soft_cap)
-        out = constrain(out, ATTENTION_OUT, "attention_out")
+        q = constrain(q, names["query"], "query")
+        k = constrain(k, names["key"], "key")
+        v = constrain(v, names["key"], "value")
+        if self.cache is not None and self.cache.mode == "autoregressive":
+            keys, values, visible = KVCache(self.cache, cfg.num_kv_heads, head_dim, cfg.dtype, name="KVCache_0")\
+                .generate(k, v)
+            out = cached_attention(q, keys, values, visible, scale=head_dim**-0.5)
+        else:
+            if self.cache is not None:  # a prefill: the prompt's keys and values go to the cache
+                KVCache(self.cache, cfg.num_kv_heads, head_dim, cfg.dtype, name="KVCache_0").prefill(k, v)
+            out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window,
+                                   soft_cap=cfg.attn_logits_soft_cap)
+        out = constrain(out, names["out"], "attention_out")
         return Dense(cfg, (x.shape[-1],), ("heads", "kv"), (cfg.attention_embed_axis,), name="out")(out)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then gated MLP."""
+    """Pre-norm residual block: attention then gated MLP (serving: with the attention's KV cache)."""
 
     cfg: ModelConfig
+    cache: CacheSpec | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        x = constrain(x, BLE, "layer_input")
-        h = constrain(RMSNorm(self.cfg, name="pre_self_attention_layer_norm")(x), BLE, "pre_attention_norm")
-        h = constrain(Attention(self.cfg, name="self_attention")(h, positions), BLE, "attention_result")
-        x = constrain(x + h, BLE, "attention_residual")
-        h = constrain(RMSNorm(self.cfg, name="post_self_attention_layer_norm")(x), BLE, "post_attention_norm")
-        h = constrain(MlpBlock(self.cfg, self.cfg.mlp_dim, name="mlp")(h), BLE, "mlp_output")
-        return constrain(x + h, BLE, "layer_output"), None
+        ble = PREFILL_BLE if self.cache is not None and self.cache.mode == "prefill" else BLE
+        x = constrain(x, ble, "layer_input")
+        h = constrain(RMSNorm(self.cfg, name="pre_self_attention_layer_norm")(x), ble, "pre_attention_norm")
+        h = constrain(Attention(self.cfg, cache=self.cache, name="self_attention")(h, positions), ble,
+                      "attention_result")
+        x = constrain(x + h, ble, "attention_residual")
+        h = constrain(RMSNorm(self.cfg, name="post_self_attention_layer_norm")(x), ble, "post_attention_norm")
+        h = constrain(MlpBlock(self.cfg, self.cfg.mlp_dim, name="mlp")(h), ble, "mlp_output")
+        return constrain(x + h, ble, "layer_output"), None
 
 
 class DenseDecoderLM(DecoderLM):

@@ -119,15 +119,17 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return getattr(jax.nn, name)(x)
 
 
-def scan_layers(layer: type[nn.Module], length: int, layer_axis: str, nnx_stack: bool = False) -> type[nn.Module]:
+def scan_layers(layer: type[nn.Module], length: int, layer_axis: str, nnx_stack: bool = False,
+                cache: bool = False) -> type[nn.Module]:
     """`length` copies of a rematerialised `layer`, stacked by nn.scan with the layer dimension at
     position 1 of every weight and named `layer_axis` in its logical spec (`nnx_stack`: named as flax
     NNX names it, see :class:`DeclaredUnnamed`). The layer broadcasts nothing out, so flax's extra
-    trace that proves broadcast outputs constant is skipped (one trace of the layer per scan, not two)."""
-    remat = nn.remat(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+    trace that proves broadcast outputs constant is skipped (one trace of the layer per scan, not two).
+    `cache`: a server's stack, not rematerialised, whose KV cache variables stack at position 0 (as
+    MaxText's scanned decoder stacks its `cache` collection)."""
     return nn.scan(
-        remat,
-        variable_axes={"params": 1},
+        layer if cache else nn.remat(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable),
+        variable_axes={"params": 1, "cache": 0} if cache else {"params": 1},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
         length=length,

@@ -55,6 +55,7 @@ class CaseSetup:
     config: models.ModelConfig | None  # None for a user's factory model
     batch: BatchPlan
     pipeline: PipelineConfig | None = None  # the built-in model's pipeline schedule, when `stage` > 1
+    server: Any = None  # a card served (serving=true): the ZooServer that builds its ServingProgram
 
     @property
     def optimizer(self) -> Any:
@@ -95,6 +96,7 @@ def setup_case(case: Case) -> CaseSetup:
     explicit = frozenset(mesh_defaults) | frozenset(k for k, _ in case.overrides)
     plan = plan_mesh(rule_set, topology, values, explicit)
     serving.check_settings(case)
+    server = None
     if case.model_ref.kind == "factory":
         config, pipeline = None, None
         _check_factory_settings(case, values, plan)
@@ -108,6 +110,8 @@ def setup_case(case: Case) -> CaseSetup:
         if pipeline is not None:
             rule_set = pipeline_rules(rule_set)
             plan = stage_before_data(plan)
+        if serving.serves(case):
+            server = serving.zoo_server(config, values, plan.sizes.get("stage", 1))
     if values["shard_optimizer_over_data"] and state.DATA_AXIS not in plan.axis_names:
         raise BadInput(f"shard_optimizer_over_data=true: rule '{rule_set.name}' has no 'data' mesh axis "
                        f"(mesh_axes: {', '.join(plan.axis_names)})")
@@ -117,7 +121,7 @@ def setup_case(case: Case) -> CaseSetup:
     batch = plan_batch(rule_set, plan, values)
     if pipeline is not None:
         check_batch(pipeline, batch.global_batch_size)
-    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch, pipeline)
+    setup = CaseSetup(case, topology, rule_set, values, plan, config, batch, pipeline, server)
     if setup.explicit:
         _check_even_splits(setup)
     return setup
@@ -156,8 +160,8 @@ def _check_factory_settings(case: Case, values: dict[str, Any], plan: MeshPlan) 
 def _check_even_splits(setup: CaseSetup) -> None:
     """Explicit mode rejects a dimension that does not split evenly over its mesh axes (auto mode
     pads it): say which one, before anything is traced on the Explicit mesh."""
-    if serving.serving_program(setup.case) is not None:  # traced on the Auto mesh: Explicit refuses uneven splits
-        layouts = list(serving.init_layouts(setup.case.model, setup.plan, setup.rule_set, False,
+    if serving.serves(setup.case):  # traced on the Auto mesh: Explicit refuses uneven splits
+        layouts = list(serving.init_layouts(serving.program_key(setup), setup.plan, setup.rule_set, False,
                                             serving.settings_of(setup.values, setup.batch.global_batch_size))[1])
     elif _own_init(setup):  # a user's own init is traced once, on the case's Explicit mesh: the state the dump reads
         layouts = _own_layouts(setup)
@@ -274,7 +278,7 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
     rules; explicit mode: read from the state traced on an Explicit-axis mesh)."""
     setup = setup_case(case)
     over_data = setup.values["shard_optimizer_over_data"]
-    if serving.serving_program(case) is not None:  # weights, KV cache and decode state, as init placed them
+    if serving.serves(case):  # weights, KV cache and decode state, as init placed them
         return setup, list(serving.traced_of(setup).layouts)
     if setup.explicit and setup.config is not None:
         return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
@@ -366,7 +370,7 @@ def dump_case(case: Case) -> dict[str, dict[str, Any]]:
     with fewer_collections():
         setup, layouts = case_layouts(case)
         warn_uneven(setup, layouts)
-        if serving.serving_program(case) is not None:
+        if serving.serves(case):
             return serving.serving_documents(serving.traced_of(setup), header(setup), setup.plan.abstract_mesh())
         constraints = trace_activations(setup)
         backs, batch = handed_back(setup, layouts), program_batch(setup)
@@ -404,7 +408,7 @@ def batch_fields(case: Case) -> dict[str, Any]:
     """The batch fields of the case's step: the token fields of a card (with their segment ids in
     MaxText's NNX build, whose attention constrains them), a program's own (its Input per name; None
     for a card's token fields)."""
-    if serving.serving_program(case) is not None:  # no training batch: each step has inputs of its own
+    if serving.serves(case):  # no training batch: each step has inputs of its own
         return {}
     if case.model_ref.kind == "factory":
         return factory_program(case.model).batch_fields()

@@ -35,6 +35,20 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 BASE_RULE = "default"  # the rule file holding MaxText's base logical_axis_rules
+# Packaged rule files made from MaxText configuration files (base.yml, inference/inference.yml over it),
+# into whose rules MaxText merges a model config's own, unlike a custom_mesh_and_rule file.
+CONFIG_RULES = (BASE_RULE, "inference")
+
+
+@dataclasses.dataclass(frozen=True)
+class MissingAxis:
+    """A mesh axis the rules' source (MaxText's configuration file) names but the mesh lacks, dropped from
+    the rules: MaxText drops it where it constrains an activation (remove_size_one_mesh_axis) and fails
+    where it places a weight, a cache or the batch by it ('Resource axis: ... is not found in mesh')."""
+
+    axis: str
+    rules: tuple[str, ...]  # the logical names whose rules named it
+    data_sharding: bool = False  # data_sharding named it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +68,9 @@ class RuleSet:
     origins: tuple[tuple[Path, int], ...] = ()
     # Parameters without logical axes, placed by path regex (first match wins); each knows its line.
     partition_rules: tuple[PathRule, ...] = ()
+    # Mesh axes the file's source names that its mesh lacks, dropped here: (axis, the logical names whose
+    # rules named it, whether its data_sharding did).
+    missing_axes: tuple[MissingAxis, ...] = ()
 
     def mesh_settings_for(self, topology_name: str) -> dict[str, Any]:
         """Settings of the first `mesh_rules` entry whose regex matches the topology name."""
@@ -133,6 +150,12 @@ def _rule_set(label: str, path: Path, text: str) -> RuleSet:
     context = data.get("context_sharding")
     if context is not None and context not in mesh_axes:
         raise BadInput(f"{where}: field context_sharding: {context!r} is not in mesh_axes [{', '.join(mesh_axes)}]")
+    missing = []
+    for index, entry in enumerate(data.get("missing_axes", [])):
+        if entry["axis"] in mesh_axes:
+            raise BadInput(f"{where}: field missing_axes/{index}: {entry['axis']!r} is in mesh_axes; list only axes "
+                           "the mesh lacks")
+        missing.append(MissingAxis(entry["axis"], tuple(entry.get("rules", ())), entry.get("data_sharding", False)))
     mesh_rules = []
     for index, entry in enumerate(data.get("mesh_rules", [])):
         try:
@@ -155,6 +178,7 @@ def _rule_set(label: str, path: Path, text: str) -> RuleSet:
         mesh_rules=tuple(mesh_rules),
         origins=tuple((path, line) for line in item_lines(text, "logical_axis_rules")),
         partition_rules=path_rules,
+        missing_axes=tuple(missing),
     )
 
 
@@ -195,9 +219,11 @@ def _partition_rules(path: Path, text: str, entries: list[Any], mesh_axes: tuple
 
 
 def is_base_rule(rule_set: RuleSet) -> bool:
-    """True for a packaged `default` rule file (of any MaxText release): MaxText's base rules, the only
-    ones a model card's rules are merged into (any other rule file replaces the rules wholesale)."""
-    return rule_set.path.resolve() in {(folder / f"{BASE_RULE}.yml").resolve() for folder in releases.rule_dirs()}
+    """True for a packaged `default` or `inference` rule file (of any MaxText release): MaxText's
+    configuration files, the only rules a model card's rules are merged into (a custom_mesh_and_rule
+    file replaces the rules wholesale)."""
+    return rule_set.path.resolve() in {(folder / f"{name}.yml").resolve() for folder in releases.rule_dirs()
+                                       for name in CONFIG_RULES}
 
 
 def with_overrides(rule_set: RuleSet, overrides: Sequence[Sequence[Any]], source: Path | None = None) -> RuleSet:
@@ -328,7 +354,7 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
         # pipeline's layout, or a constraint given in mesh axes, is placed without them).
         ruled = [entry for entry in tensors if any(name is not None for name in entry.get("logical_axes", ()))
                  or entry.get("pass") is None]
-        used = {axis for entry in ruled for dim in entry.get("partition_spec", ()) for axis in entry_axes(dim)}
+        used = {axis for entry in ruled for dim in entry.get("partition_spec") or () for axis in entry_axes(dim)}
         if not any(sizes.get(axis, 1) > 1 for axis in used):
             mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
             warnings.append(f"the rules of {rule_set.path} shard nothing: every tensor and activation is whole on "

@@ -32,35 +32,87 @@ from sharding_dump.zoo import rules, state
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.mesh import MeshPlan
 
-SERVING_SETTINGS = ("max_prefill_predict_length", "quantize_kvcache")
+SERVING_SETTINGS = ("max_prefill_predict_length", "quantize_kvcache", "page_size")
+SERVE = "serving"  # the setting that serves a model card (MaxEngine's prefill, insert and generate)
+
+ProgramKey = Any  # a factory reference (str), or a ZooServer: what builds the case's ServingProgram
 
 
-def serving_program(case: Case) -> ServingProgram | None:
-    """The case's ServingProgram, or None for any other model."""
+def serves(case: Case) -> bool:
+    """The case is a server: a factory's ServingProgram, or a model card with serving=true."""
     if case.model_ref.kind != "factory":
-        return None
+        return bool(dict(case.overrides).get(SERVE, False))
     from sharding_dump.zoo.model_ref import factory_program
 
-    program = factory_program(case.model)
-    return program if isinstance(program, ServingProgram) else None
+    return isinstance(factory_program(case.model), ServingProgram)
 
 
 def check_settings(case: Case) -> None:
-    """Serving settings given to a training case are bad input (nothing would read them). The program
-    is built only when such a setting is given: `verify` runs the user's code in its child alone."""
+    """Serving settings given to a training case are bad input (nothing would read them), as is
+    serving=true for a factory (its program says whether it serves). The program is built only when
+    such a setting is given: `verify` runs the user's code in its child alone."""
+    overrides = dict(case.overrides)
+    if case.model_ref.kind == "factory" and SERVE in overrides:
+        raise BadInput(f"{SERVE}={str(overrides[SERVE]).lower()}: applies to the zoo's model cards; model "
+                       f"{case.model!r} is a factory, whose program serves when it is an sd.ServingProgram")
     given = [key for key, _ in case.overrides if key in SERVING_SETTINGS]
-    if given and serving_program(case) is None:
-        raise BadInput(f"{given[0]}: applies to serving programs only (an sd.ServingProgram); model {case.model!r} "
-                       "is trained, not served")
+    if given and not serves(case):
+        what = f"model {case.model!r} is trained, not served" if case.model_ref.kind == "factory" else \
+            f"model {case.model!r} is trained unless {SERVE}=true"
+        raise BadInput(f"{given[0]}: applies to serving programs only (an sd.ServingProgram, or a card with "
+                       f"{SERVE}=true); {what}")
+
+
+def zoo_server(config: Any, values: Mapping[str, Any], stages: int) -> ProgramKey:
+    """The ZooServer of a card case with serving=true; BadInput when the zoo does not serve it so."""
+    from sharding_dump.models.serving import ZooServer
+
+    served = served_blocks()
+    if config.decoder_block not in served:
+        raise BadInput(f"{SERVE}=true: the zoo serves decoder blocks {', '.join(served)} (MaxText's KV cache "
+                       f"of their dense attention); model {config.name!r} is a {config.decoder_block} block")
+    if stages > 1:
+        raise BadInput(f"{SERVE}=true: stage axis of size {stages}: a server's layers are not pipelined "
+                       "(size the stage axis 1)")
+    if values["shard_mode"] == "explicit":
+        raise BadInput(f"shard_mode=explicit: the zoo serves a card as MaxEngine does, on a mesh of Auto axes "
+                       "(its linen decoder constrains, sharding in types would assert); give shard_mode=auto")
+    if values["page_size"]:
+        raise BadInput(f"page_size={values['page_size']}: the zoo serves MaxText's contiguous KV cache "
+                       "(MaxEngine without paged attention); give page_size=0")
+    if values["max_prefill_predict_length"] >= values["max_target_length"]:
+        raise BadInput(f"max_prefill_predict_length={values['max_prefill_predict_length']}: MaxText's KV cache "
+                       f"needs max_target_length ({values['max_target_length']}) longer (its generate cache "
+                       "holds the difference)")
+    return ZooServer(config)
+
+
+def served_blocks() -> list[str]:
+    """The zoo's decoder blocks a card may be served as: those whose layer is the dense decoder layer,
+    the one that carries MaxText's KV cache."""
+    from sharding_dump.models.dense import DecoderLayer
+    from sharding_dump.zoo import cards
+
+    return sorted(name for name, block in cards.decoder_blocks().items()
+                  if block.entry_point is None and getattr(cards.block_class(name), "layer", None) is DecoderLayer)
+
+
+def program_key(setup: Any) -> ProgramKey:
+    """What builds the ServingProgram of a resolved serving case (zoo.dump.CaseSetup)."""
+    return setup.server if setup.config is not None else setup.case.model
 
 
 def settings_of(values: Mapping[str, Any], global_batch: int) -> ServingSettings:
     """The case's serving settings, as MaxText's names give them: the slots are the global batch
     (per_device_batch_size x devices), the cache int8 under quantize_kvcache, else bfloat16; BadInput
     (one line naming the setting) when they do not fit."""
+    page, length = values["page_size"], values["max_target_length"]
+    if page and length % page:
+        raise BadInput(f"page_size={page}: give 0 (no pages) or a whole number of tokens that divides "
+                       f"max_target_length={length}")
     try:
         return ServingSettings(global_batch, values["max_prefill_predict_length"], values["max_target_length"],
-                               0, "int8" if values["quantize_kvcache"] else "bfloat16")
+                               values["page_size"], "int8" if values["quantize_kvcache"] else "bfloat16")
     except ProgramError as err:
         raise BadInput(str(err).replace("ServingSettings(max_prefill_length=", "max_prefill_predict_length=(")
                        .replace("ServingSettings(max_length=", "max_target_length=(")
@@ -94,7 +146,7 @@ def _on(plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool) -> Iterator[Any
 
 
 @functools.lru_cache(maxsize=64)
-def init_layouts(ref: str, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool,
+def init_layouts(ref: ProgramKey, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool,
                  settings: ServingSettings) -> tuple[Any, tuple[TensorLayout, ...]]:
     """The program's init traced once: its abstract state and every leaf's layout (what init placed
     itself, else its boxes and the rule file)."""
@@ -111,7 +163,7 @@ def init_layouts(ref: str, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bo
 
 
 @functools.lru_cache(maxsize=64)
-def trace_case(ref: str, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool,
+def trace_case(ref: ProgramKey, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool,
                settings: ServingSettings) -> Traced:
     """init and every step of the program behind `ref`, traced once per process for these inputs."""
     from sharding_dump.core.layout import resolve
@@ -130,17 +182,29 @@ def trace_case(ref: str, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool
     return Traced(settings, layouts, tuple(steps), program.cache)
 
 
-def _program(ref: str) -> ServingProgram:
+def _program(key: ProgramKey) -> ServingProgram:
+    if not isinstance(key, str):
+        return _zoo_program(key)
     from sharding_dump.zoo.model_ref import factory_program
 
-    program = factory_program(ref)
+    program = factory_program(key)
     assert isinstance(program, ServingProgram)
     return program
 
 
+@functools.lru_cache(maxsize=16)
+def _zoo_program(server: Any) -> ServingProgram:
+    return server.program()
+
+
+def program_of(setup: Any) -> ServingProgram:
+    """The ServingProgram of a resolved serving case."""
+    return _program(program_key(setup))
+
+
 def traced_of(setup: Any) -> Traced:
     """The serving case of a resolved setup (zoo.dump.CaseSetup), traced."""
-    return trace_case(setup.case.model, setup.plan, setup.rule_set, setup.explicit,
+    return trace_case(program_key(setup), setup.plan, setup.rule_set, setup.explicit,
                       settings_of(setup.values, setup.batch.global_batch_size))
 
 
@@ -267,21 +331,24 @@ class Fit:
     largest_length: int
 
 
-Scaled = list[tuple[TensorLayout, tuple[int, ...]]]  # each leaf with the dimensions a setting scales
+Scaled = list[tuple[TensorLayout, dict[int, int]]]  # each leaf with what its dimensions gain as a setting doubles
 
 
 def _scaled(layouts: tuple[TensorLayout, ...], doubled: tuple[TensorLayout, ...]) -> Scaled:
-    """Each leaf with the dimensions that doubled when one setting was doubled (init traced again)."""
+    """Each leaf with the dimensions that grew when one setting was doubled (init traced again), and by
+    how much: a dimension is taken as affine in the setting (the slots or the length; MaxText's generate
+    cache holds max_target_length less the prompt's max_prefill_predict_length)."""
     other = {t.path: t for t in doubled}
-    return [(t, tuple(d for d, size in enumerate(t.shape) if other[t.path].shape[d] == 2 * size and size))
+    return [(t, {d: other[t.path].shape[d] - size for d, size in enumerate(t.shape) if other[t.path].shape[d] > size})
             for t in layouts]
 
 
 def _bytes_at(scaled: Scaled, old: int, new: int) -> int:
-    """Per-device bytes of the state with its scaling dimensions at `new` in place of `old`."""
+    """Per-device bytes of the state with its scaling setting at `new` in place of `old`."""
     total = 0
-    for t, dims in scaled:
-        shape = tuple(size * new // old if d in dims else size for d, size in enumerate(t.shape))
+    for t, grows in scaled:
+        shape = tuple(max(0, size + grows[d] * (new - old) // old) if d in grows else size
+                      for d, size in enumerate(t.shape))
         total += dataclasses.replace(t, shape=shape).per_device_bytes
     return total
 
@@ -306,11 +373,11 @@ def memory_fit(setup: Any) -> Fit | None:
     if hbm is None:
         return None
     settings = settings_of(setup.values, setup.batch.global_batch_size)
-    args = (setup.case.model, setup.plan, setup.rule_set, False)
+    args = (program_key(setup), setup.plan, setup.rule_set, False)
     layouts = init_layouts(*args, settings)[1]
     slots = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, slots=2 * settings.slots))[1])
     length = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, max_length=2 * settings.max_length))[1])
     used = sum(t.per_device_bytes for t in layouts)
-    cache = sum(t.per_device_bytes for t in layouts if t.path.split("/", 1)[0] in _program(setup.case.model).cache)
+    cache = sum(t.per_device_bytes for t in layouts if t.path.split("/", 1)[0] in program_of(setup).cache)
     return Fit(hbm, used, cache, settings.slots, settings.max_length, _largest(slots, settings.slots, hbm),
                _largest(length, settings.max_length, hbm))

@@ -304,3 +304,16 @@ def test_a_decode_step_compiles_on_an_explicit_mesh():
     assert result.stdout.startswith("examples.llama3_serving:small_llama3/cpu-8/")
     assert ": ok (cpu, 8 devices" in result.stdout
     assert "memory per device (XLA:CPU estimate" in result.stdout
+
+
+@pytest.mark.compile
+def test_a_zoo_servers_generate_step_compiles_as_its_golden_lays_it_out(tmp_path):
+    """A card served (serving=true, MaxText's inference rules): MaxEngine's generate step over the KV
+    cache compiles on 8 CPU devices, and the compiled state (weights, cache, decode state) is laid out as
+    the dump says."""
+    args = ["--model", "qwen3-0.6b", "--topology", "tpu7x-8", "--rule", "inference", "serving=true",
+            "per_device_batch_size=1", "max_target_length=256", "max_prefill_predict_length=128"]
+    dump_golden(tmp_path, args)
+    result = run_cli("verify", *args, "--golden-dir", str(tmp_path / "golden"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": ok (cpu, 8 devices" in result.stdout.splitlines()[0]

@@ -26,10 +26,13 @@ def test_every_release_has_its_maxtext_configs_here():
 
 
 def maxtext_rule_files(version: str) -> dict[str, dict]:
-    """MaxText's rule files of a release by the zoo's name: its custom_mesh_and_rule files, and base.yml as `default`."""
+    """MaxText's rule files of a release by the zoo's name: its custom_mesh_and_rule files, base.yml as
+    `default`, and inference/inference.yml (on base.yml's mesh) as `inference`."""
     folder = CONFIGS[version]
     found = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((folder / "custom_mesh_and_rule").glob("*.yml"))}
     found["default"] = yaml.safe_load((folder / "base.yml").read_text())
+    inference = yaml.safe_load((folder / "inference/inference.yml").read_text())  # over base.yml, on its mesh
+    found["inference"] = {**inference, "mesh_axes": found["default"]["mesh_axes"]}
     return found
 
 
@@ -43,10 +46,18 @@ def test_each_release_has_maxtexts_rule_files_of_that_release(version):
     for name, data in theirs.items():
         ours = rules.load_rule(name, rel.rules_dir)
         assert list(ours.mesh_axes) == data["mesh_axes"], name
-        assert [list(ours.data_sharding)] == data["data_sharding"], name
+        assert [list(ours.data_sharding)] == [[a for a in data["data_sharding"][0] if a in ours.mesh_axes]], name
         expected = [(n, tuple(a for a in entry_axes(tuple(axes) if isinstance(axes, list) else axes)
                               if a in ours.mesh_axes)) for n, axes in data["logical_axis_rules"]]
         assert [(n, entry_axes(a)) for n, a in ours.logical_axis_rules] == expected, name
+        dropped = {}  # axis -> the logical names whose rules named it: what missing_axes must say
+        for n, axes in data["logical_axis_rules"]:
+            for a in entry_axes(tuple(axes) if isinstance(axes, list) else axes):
+                if a not in ours.mesh_axes and n not in dropped.setdefault(a, []):
+                    dropped[a].append(n)
+        assert {m.axis: list(m.rules) for m in ours.missing_axes} == dropped, name
+        assert [m.axis for m in ours.missing_axes if m.data_sharding] == \
+            [a for a in data.get("data_sharding", [[]])[0] if a not in ours.mesh_axes], name
 
 
 def test_each_releases_model_configs_without_a_card_are_the_ones_it_names():

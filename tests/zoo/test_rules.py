@@ -13,7 +13,8 @@ from sharding_dump.zoo.settings import format_value, parse_overrides
 
 REPO_GOLDEN = REPO / "golden"
 
-SHIPPED = ["cp-as-ep", "default", "ep-as-cp", "ep-as-dp", "pipeline-large-moe", "pure-fsdp", "shard-exp-on-fsdp"]
+SHIPPED = ["cp-as-ep", "default", "ep-as-cp", "ep-as-dp", "inference", "pipeline-large-moe", "pure-fsdp",
+           "shard-exp-on-fsdp"]
 
 
 def test_shipped_rules():

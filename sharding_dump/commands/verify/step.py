@@ -38,7 +38,7 @@ def build_step(case: Any) -> StepParts:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
     setup, layouts = dump.case_layouts(case)
-    if serving.serving_program(case) is not None:
+    if serving.serves(case):
         return _serving_step(setup, layouts)
     abstract = untyped(unbox(dump.abstract_state_of(setup)))
     stacks = stack_dims(layouts, stack_axes())
@@ -58,13 +58,13 @@ def _serving_step(setup: Any, layouts: Any) -> StepParts:
     from sharding_dump.errors import BadInput
     from sharding_dump.zoo import serving
 
-    program = serving.serving_program(setup.case)
+    program = serving.program_of(setup)
     settings = serving.settings_of(setup.values, setup.batch.global_batch_size)
     name, step = list(program.steps.items())[-1]
     if step.takes is not None:
         raise BadInput(f"verify compiles a serving case's last step, {name!r}, and it takes the outputs of "
                        f"{step.takes!r}: give the program a last step that takes the state and its own inputs")
-    raw = serving.init_layouts(setup.case.model, setup.plan, setup.rule_set, setup.explicit, settings)[0]
+    raw = serving.init_layouts(serving.program_key(setup), setup.plan, setup.rule_set, setup.explicit, settings)[0]
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), unbox(raw))
     inputs = {field: spec.sized(settings.sizes()) for field, spec in step.inputs.items()}
     return StepParts(lambda s, i: step.fn(s, i, settings), state, inputs, {t.path: t.partition_spec for t in layouts},
