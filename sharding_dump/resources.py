@@ -14,7 +14,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import yaml
 
@@ -34,6 +34,8 @@ YAML_MAX_BYTES = 256 << 10  # 40 times the largest shipped YAML file; parsing it
 JSON_MAX_BYTES = 64 << 20
 MAX_DEPTH = 32  # nesting of YAML collections and JSON arrays/objects
 MAX_DIGITS = 30  # digits of one number in a YAML or JSON file: more is no size or count we can use
+
+Entry = TypeVar("Entry")
 
 
 def read_regular_file(path: str | os.PathLike, what: str, max_bytes: int) -> bytes:
@@ -380,6 +382,30 @@ def _message(error: SchemaError) -> str:
         "FalseSchema": lambda: f"False schema does not allow {short}",
     }
     return messages[kind]() if kind in messages else error.error.message
+
+
+def parse_entries(entries: Iterable[Any], where: str, parse: Callable[[Any], Entry],
+                  label: Callable[[Entry], str]) -> list[Entry]:
+    """Each entry of a case file's `cases` list parsed, in file order: a BadInput of `parse` names the
+    entry (`where: field cases/N: ...`), and so does a second entry of the same `label`, so a file with a
+    duplicated case is refused naming both places.
+
+    >>> parse_entries(["a", "b"], "case file f.yml", str.upper, str)
+    ['A', 'B']
+    """
+    out: list[Entry] = []
+    seen: dict[str, int] = {}
+    for index, entry in enumerate(entries):
+        try:
+            parsed = parse(entry)
+        except BadInput as err:
+            raise BadInput(f"{where}: field cases/{index}: {err}") from None
+        name = label(parsed)
+        if name in seen:
+            raise BadInput(f"{where}: field cases/{index}: same case as cases/{seen[name]}")
+        seen[name] = index
+        out.append(parsed)
+    return out
 
 
 def yaml_item_lines(path: Path, key: str) -> list[int]:

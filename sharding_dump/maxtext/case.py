@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sharding_dump.errors import BadInput, shown
-from sharding_dump.resources import load_yaml
+from sharding_dump.resources import load_yaml, parse_entries
 
 # The keys that place a case's folder (model, topology, slices, rule), not part of its overrides: the
 # same keys MaxText's own tests/utils/sharding_dump.py leaves out of its folder name.
@@ -133,21 +133,14 @@ def load_cases(path: str | Path) -> list[MaxTextCase]:
     data = load_yaml(path, "MaxText case file")
     if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
         raise BadInput(f"MaxText case file {path}: expected a mapping with cases: [{{args: [KEY=VALUE, ...]}}, ...]")
-    cases: list[MaxTextCase] = []
-    seen: dict[str, int] = {}
-    for index, entry in enumerate(data["cases"]):
-        where = f"MaxText case file {path}: field cases/{index}"
+    where = f"MaxText case file {path}"
+
+    def parse(entry: Any) -> MaxTextCase:
         if not isinstance(entry, dict) or not isinstance(entry.get("args"), list) or set(entry) - {"args", "config", "zoo"}:
-            raise BadInput(f"{where}: expected {{args: [KEY=VALUE, ...], config: FILE (optional)}}")
+            raise BadInput("expected {args: [KEY=VALUE, ...], config: FILE (optional)}")
         config = entry.get("config")
         if config is not None:
             config = str(config if Path(config).is_absolute() else (path.parent / config).resolve())
-        try:
-            case = MaxTextCase.parse([str(w) for w in entry["args"]], config)
-        except BadInput as err:
-            raise BadInput(f"{where}: {err}") from None
-        if case.label in seen:
-            raise BadInput(f"{where}: same case as cases/{seen[case.label]}")
-        seen[case.label] = index
-        cases.append(case)
-    return cases
+        return MaxTextCase.parse([str(w) for w in entry["args"]], config)
+
+    return parse_entries(data["cases"], where, parse, lambda case: case.label)

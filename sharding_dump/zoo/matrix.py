@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from sharding_dump.errors import BadInput
-from sharding_dump.resources import DATA_DIR, load_yaml, validate
+from sharding_dump.resources import DATA_DIR, load_yaml, parse_entries, validate
 from sharding_dump.zoo import rules
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.project import PYPROJECT, TABLE, Project
@@ -39,27 +39,20 @@ def load_matrix(path: str | Path = CASES_FILE, resolve: Callable[[str, str], str
     path = Path(path)
     data = load_yaml(path, "case matrix")
     validate(data, "cases", f"case matrix {path}")
-    cases: list[Case] = []
-    seen: dict[str, int] = {}
-    for index, entry in enumerate(data["cases"]):
-        try:
-            case = _maxtext_entry(entry, path, resolve) if "maxtext_config" in entry else None
-            if case is None:
-                refs = {}
-                for field in ("model", "rule"):
-                    ref = entry[field]
-                    if rules.is_rule_path(ref) and not Path(ref).is_absolute():
-                        ref = str((path.parent / ref).resolve())
-                    refs[field] = resolve(field, ref) if resolve is not None else ref
-                case = Case.make(refs["model"], entry["topology"], refs["rule"],
-                                 entry.get("num_slices", 1), entry.get("overrides"), project=False)
-        except BadInput as err:
-            raise BadInput(f"case matrix {path}: field cases/{index}: {err}") from None
-        if case.label in seen:
-            raise BadInput(f"case matrix {path}: field cases/{index}: same case as cases/{seen[case.label]}")
-        seen[case.label] = index
-        cases.append(case)
-    return cases
+
+    def parse(entry: dict[str, Any]) -> Case:
+        if "maxtext_config" in entry:
+            return _maxtext_entry(entry, path, resolve)
+        refs = {}
+        for field in ("model", "rule"):
+            ref = entry[field]
+            if rules.is_rule_path(ref) and not Path(ref).is_absolute():
+                ref = str((path.parent / ref).resolve())
+            refs[field] = resolve(field, ref) if resolve is not None else ref
+        return Case.make(refs["model"], entry["topology"], refs["rule"], entry.get("num_slices", 1),
+                         entry.get("overrides"), project=False)
+
+    return parse_entries(data["cases"], f"case matrix {path}", parse, lambda case: case.label)
 
 
 def load_project_cases(project: "Project", paths: Iterable[Path] | None = None) -> list[Case]:
