@@ -69,11 +69,14 @@ def dump_one(case: Case, golden_dir: Path) -> Dumped:
                   tuple(_use_warnings(case, outcome.folder)))
 
 
-def _dump_group(cases: list[Case], golden_dir: Path, limit: float) -> list[Dumped]:
-    """A worker's share: cases of one model, in order, under the parent's time limit; the warnings
-    they raise are handed back to be shown in the cases' order."""
+def _dump_group(cases: list[Case], golden_dir: Path, limit: float, devices: int | None = None) -> list[Dumped]:
+    """A worker's share: cases of one model, in order, under the parent's time limit, in a process of
+    `devices` CPU devices when given; the warnings they raise are handed back to be shown in the cases'
+    order."""
     from sharding_dump.core.boundary import time_limit
 
+    if devices is not None:
+        options.give_cpu_devices(devices)
     out = []
     with time_limit(limit):
         for case in cases:
@@ -86,22 +89,28 @@ def _dump_group(cases: list[Case], golden_dir: Path, limit: float) -> list[Dumpe
 
 def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[Dumped]:
     """Each case dumped, in the cases' order: here, or with `jobs` > 1 in worker processes (spawned:
-    jax does not survive a fork), a model's cases in one worker, the largest groups started first."""
-    if jobs <= 1 or len(cases) <= 1:
+    jax does not survive a fork), a model's cases in one worker, the largest groups started first.
+    User programs of several device counts (a process's CPU devices are fixed when its backend starts)
+    are dumped in worker processes, each group of one count in a fresh one, whatever `jobs`."""
+    counts = {case: options.cpu_devices(case) for case in cases}
+    several = len(set(counts.values()) - {None}) > 1
+    if (jobs <= 1 or len(cases) <= 1) and not several:
         for case in cases:
             yield dump_one(case, golden_dir)
         return
     from sharding_dump.core.boundary import current_limit
 
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, int | None], list[int]] = {}
     for index, case in enumerate(cases):
-        groups.setdefault(case.model, []).append(index)
-    order = sorted(groups.values(), key=len, reverse=True)
+        groups.setdefault((case.model, counts[case]), []).append(index)
+    order = sorted(groups.items(), key=lambda item: len(item[1]), reverse=True)
     done: dict[int, Dumped] = {}
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(order)),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit()): group
-                   for group in order}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(max(jobs, 1), len(order)),
+                                                mp_context=multiprocessing.get_context("spawn"),
+                                                max_tasks_per_child=1 if several else None) as pool:
+        futures = {pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit(),
+                               devices if several else None): group
+                   for (_, devices), group in order}
         try:
             next_index = 0
             for future in concurrent.futures.as_completed(futures):

@@ -134,15 +134,16 @@ def meshes(closed: ClosedJaxpr) -> list[tuple[MeshShape, str]]:
 
 def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
     """What to do when the program's mesh is a concrete one over every device of this process (Kauldron's
-    `DEVICES_MESH`, a mesh of `jax.devices()`) and the process has fewer devices than the case: start it
+    `DEVICES_MESH`, a mesh of `jax.devices()`) and the process has another count than the case: start it
     with the case's count. Only a concrete mesh asks, so the backend it counts has started already."""
     size, wanted = math.prod(n for _, n in shape), math.prod(n for _, n in want)
     concrete = any(isinstance(mesh, jax.sharding.Mesh) and mesh_shape(mesh) == shape
                    for mesh, _ in _named_meshes(closed))
-    if not concrete or size >= wanted or size != jax.device_count():
+    if not concrete or size == wanted or size != jax.device_count():
         return ""
     return (f"; this process has {size} device{'s' * (size != 1)} and the program's mesh spans all of them: start it "
-            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds it; "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds the "
+            "count of the first user program it runs, and --all dumps each other count in a process of its own; "
             "a pytest or Python process needs it set before JAX starts)")
 
 
