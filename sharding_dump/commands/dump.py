@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -69,14 +70,11 @@ def dump_one(case: Case, golden_dir: Path) -> Dumped:
                   tuple(_use_warnings(case, outcome.folder)))
 
 
-def _dump_group(cases: list[Case], golden_dir: Path, limit: float, devices: int | None = None) -> list[Dumped]:
-    """A worker's share: cases of one model, in order, under the parent's time limit, in a process of
-    `devices` CPU devices when given; the warnings they raise are handed back to be shown in the cases'
-    order."""
+def _dump_group(cases: list[Case], golden_dir: Path, limit: float) -> list[Dumped]:
+    """A worker's share: cases of one model, in order, under the parent's time limit; the warnings
+    they raise are handed back to be shown in the cases' order."""
     from sharding_dump.core.boundary import time_limit
 
-    if devices is not None:
-        options.give_cpu_devices(devices)
     out = []
     with time_limit(limit):
         for case in cases:
@@ -91,7 +89,8 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
     """Each case dumped, in the cases' order: here, or with `jobs` > 1 in worker processes (spawned:
     jax does not survive a fork), a model's cases in one worker, the largest groups started first.
     User programs of several device counts (a process's CPU devices are fixed when its backend starts)
-    are dumped in worker processes, each group of one count in a fresh one, whatever `jobs`."""
+    are dumped in worker processes whatever `jobs`, a pool of workers started with each count (at
+    least one worker a count)."""
     counts = {case: options.cpu_devices(case) for case in cases}
     several = len(set(counts.values()) - {None}) > 1
     if (jobs <= 1 or len(cases) <= 1) and not several:
@@ -102,15 +101,22 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
 
     groups: dict[tuple[str, int | None], list[int]] = {}
     for index, case in enumerate(cases):
-        groups.setdefault((case.model, counts[case]), []).append(index)
-    order = sorted(groups.items(), key=lambda item: len(item[1]), reverse=True)
+        groups.setdefault((case.model, counts[case] if several else None), []).append(index)
+    by_count: dict[int | None, list[list[int]]] = {}
+    for (_, devices), group in sorted(groups.items(), key=lambda item: len(item[1]), reverse=True):
+        by_count.setdefault(devices, []).append(group)
     done: dict[int, Dumped] = {}
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(max(jobs, 1), len(order)),
-                                                mp_context=multiprocessing.get_context("spawn"),
-                                                max_tasks_per_child=1 if several else None) as pool:
-        futures = {pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit(),
-                               devices if several else None): group
-                   for (_, devices), group in order}
+    with contextlib.ExitStack() as stack:
+        pools, futures = [], {}
+        for devices, shares in by_count.items():
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                max_workers=max(1, min(jobs // len(by_count), len(shares))),
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=None if devices is None else options.give_cpu_devices,
+                initargs=() if devices is None else (devices,)))
+            pools.append(pool)
+            futures.update({pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit()): group
+                            for group in shares})
         try:
             next_index = 0
             for future in concurrent.futures.as_completed(futures):
@@ -122,7 +128,8 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
                     yield dumped
                     next_index += 1
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for pool in pools:
+                pool.shutdown(wait=False, cancel_futures=True)
             raise
 
 

@@ -591,6 +591,11 @@ def test_all_gives_each_program_case_its_own_device_count(tmp_path, jobs):
     sizes = sorted(json.loads(path.read_text())["mesh"]["axis_sizes"]
                    for path in (tmp_path / "out").rglob("named_shardings.json"))
     assert sizes == [[2], [4]]
+    if jobs == "1":  # a failing case among the worker pools is its one line, no worker's traceback
+        (tmp_path / "all_devices.py").write_text(ALL_DEVICES.replace("(16, 4)", "(15, 4)"))
+        result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "--all"], cwd=tmp_path,
+                                capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
 @pytest.mark.parametrize("stdout,buffered", [("/dev/full", True), ("/dev/full", False), ("closed", True)],
                          ids=["full-at-the-last-flush", "full-at-a-write", "closed"])
 def test_standard_output_that_cannot_be_written_is_one_line(stdout, buffered):
