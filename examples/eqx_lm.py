@@ -11,7 +11,10 @@ array's axes do, and AdamW's moments keep those names (optax maps over the modul
 The harness reads all of it: every weight on the spec the program's mapping gives it, the batch in
 the layout the step's `in_shardings` demand (`batch.program_spec` in activation_shardings.json), and
 the program's mesh, which must be the case's: another shape is refused in one line naming both.
-The process needs as many CPU devices as the mesh has:
+A program that sets its mesh as a context instead (Levanter's `with trainer:`, haliax's `named_jit`
+taking the mesh from it) names it as `TrainProgram(mesh=...)`: `small_lm_context` places everything
+on `jax.sharding.get_abstract_mesh()`, and its mesh too must be the case's. The process needs as
+many CPU devices as the mesh has:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 sharding-dump --model examples.eqx_lm:small_lm \\
         --topology cpu-8 --rule examples/eqx_rules.yml ici_data_parallelism=4 ici_model_parallelism=2 \\
@@ -44,11 +47,12 @@ class MeshConfig:
     batch_mapping: tuple[tuple[str, str | None], ...] = (("batch", "data"),)
     step_mapping: tuple[tuple[str, str | None], ...] | None = None  # the step's jit takes and returns the state
     #                                                                  on it (Levanter's axis_resources); None: param_mapping
+    axis_type: AxisType = AxisType.Auto  # Levanter's use_explicit_mesh_axes: Explicit
 
     def build(self) -> jax.sharding.Mesh:
         """A concrete mesh over this process's devices, as the trainer builds it."""
         names, sizes = zip(*self.axes)
-        return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+        return jax.make_mesh(sizes, names, axis_types=(self.axis_type,) * len(names))
 
     def spec(self, axes: tuple[str, ...], mapping: tuple[tuple[str, str | None], ...] | None = None) -> P:
         """The spec of named dimensions under `mapping` (default: the parameters')."""
@@ -130,9 +134,13 @@ def shardings(tree: Any, config: MeshConfig, mesh: jax.sharding.Mesh, mapping: A
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Linear))
 
 
-def program(config: MeshConfig) -> sd.TrainProgram:
-    """Its own mesh, init and jitted step."""
-    mesh = config.build()
+def program(config: MeshConfig, context: bool = False) -> sd.TrainProgram:
+    """Its own mesh, init and jitted step; with `context`, every sharding on the mesh of the context
+    (`jax.set_mesh(mesh)` around a real run, the case's mesh traced) and the mesh given to the harness."""
+    own = config.build()
+
+    def mesh_of() -> Any:
+        return jax.sharding.get_abstract_mesh() if context else own
     tx = optax.adamw(3e-4, weight_decay=0.1)
 
     def make_state(key: jax.Array) -> dict:
@@ -141,7 +149,7 @@ def program(config: MeshConfig) -> sd.TrainProgram:
                 "step": jnp.zeros((), jnp.int32)}
 
     def state_shardings(key: jax.Array) -> Any:
-        return shardings(jax.eval_shape(make_state, key), config, mesh)
+        return shardings(jax.eval_shape(make_state, key), config, mesh_of())
 
     def init(key: jax.Array) -> dict:
         return jax.jit(make_state, out_shardings=state_shardings(key))(key)
@@ -157,6 +165,7 @@ def program(config: MeshConfig) -> sd.TrainProgram:
                  "step": state["step"] + 1}, {"loss": loss})
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        mesh = mesh_of()
         placed = shardings(state, config, mesh, config.step_mapping)
         batch_sharding = {name: NamedSharding(mesh, config.spec(("batch", "length"), config.batch_mapping))
                           for name in batch}
@@ -164,9 +173,15 @@ def program(config: MeshConfig) -> sd.TrainProgram:
                          out_shardings=(placed, NamedSharding(mesh, P())))
         return jitted(state, batch)
 
-    return sd.TrainProgram(init, step, batch={"inputs": sd.Input(), "targets": sd.Input()})
+    return sd.TrainProgram(init, step, batch={"inputs": sd.Input(), "targets": sd.Input()},
+                           mesh=own if context else None)
 
 
 def small_lm() -> sd.TrainProgram:
     """Two blocks at toy sizes on the module's MESH (read when called)."""
     return program(MESH)
+
+
+def small_lm_context() -> sd.TrainProgram:
+    """The same, its mesh set as a context (Levanter's `with trainer:`) and given as TrainProgram(mesh=...)."""
+    return program(MESH, context=True)

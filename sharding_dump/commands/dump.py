@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -86,22 +87,36 @@ def _dump_group(cases: list[Case], golden_dir: Path, limit: float) -> list[Dumpe
 
 def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[Dumped]:
     """Each case dumped, in the cases' order: here, or with `jobs` > 1 in worker processes (spawned:
-    jax does not survive a fork), a model's cases in one worker, the largest groups started first."""
-    if jobs <= 1 or len(cases) <= 1:
+    jax does not survive a fork), a model's cases in one worker, the largest groups started first.
+    User programs of several device counts (a process's CPU devices are fixed when its backend starts)
+    are dumped in worker processes whatever `jobs`, a pool of workers started with each count (at
+    least one worker a count)."""
+    counts = {case: options.cpu_devices(case) for case in cases}
+    several = len(set(counts.values()) - {None}) > 1
+    if (jobs <= 1 or len(cases) <= 1) and not several:
         for case in cases:
             yield dump_one(case, golden_dir)
         return
     from sharding_dump.core.boundary import current_limit
 
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, int | None], list[int]] = {}
     for index, case in enumerate(cases):
-        groups.setdefault(case.model, []).append(index)
-    order = sorted(groups.values(), key=len, reverse=True)
+        groups.setdefault((case.model, counts[case] if several else None), []).append(index)
+    by_count: dict[int | None, list[list[int]]] = {}
+    for (_, devices), group in sorted(groups.items(), key=lambda item: len(item[1]), reverse=True):
+        by_count.setdefault(devices, []).append(group)
     done: dict[int, Dumped] = {}
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(order)),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit()): group
-                   for group in order}
+    with contextlib.ExitStack() as stack:
+        pools, futures = [], {}
+        for devices, shares in by_count.items():
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                max_workers=max(1, min(jobs // len(by_count), len(shares))),
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=None if devices is None else options.give_cpu_devices,
+                initargs=() if devices is None else (devices,)))
+            pools.append(pool)
+            futures.update({pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit()): group
+                            for group in shares})
         try:
             next_index = 0
             for future in concurrent.futures.as_completed(futures):
@@ -113,7 +128,8 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
                     yield dumped
                     next_index += 1
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for pool in pools:
+                pool.shutdown(wait=False, cancel_futures=True)
             raise
 
 

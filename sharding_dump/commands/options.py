@@ -178,9 +178,10 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
                 print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
         cases = [Case.make(project.resolve("model", args.model), args.topology, project.resolve("rule", args.rule),
                            1 if args.num_slices is None else args.num_slices, overrides, project=False)]
+    counts = [count for count in map(cpu_devices, cases) if count is not None]
+    if counts:  # the first program case's: `--all` dumps each other count in a process of its own
+        give_cpu_devices(counts[0])
     for case in cases:
-        if case.model_ref.kind == "factory":  # a user's program may build its mesh from jax.devices()
-            give_cpu_devices(case)
         setup_case(case)
     return cases
 
@@ -205,17 +206,24 @@ def xla_flags(flags: str, cpu_devices: int | None) -> str:
     return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={cpu_devices}"] * (cpu_devices is not None))
 
 
-def give_cpu_devices(case: Case) -> None:
-    """The case's device count as CPU devices, after the user's own XLA_FLAGS, for a program that builds
-    its concrete mesh from `jax.devices()` (Levanter's trainer does): XLA reads it when the CPU backend
-    starts, which no dump does itself (so the count costs nothing otherwise); once a backend runs, its
-    devices stay what they are (under --all, the backend a program starts has the count of the last
-    program case set up). The zoo's cases get none: they never start a backend, and a 16384-device
-    topology's count would make a later program's jax.devices() start that many."""
+def cpu_devices(case: Case) -> int | None:
+    """The CPU devices a case's process starts with: the topology's device count for a user's program,
+    which may build its concrete mesh from `jax.devices()` (Levanter's trainer, Kauldron's DEVICES_MESH
+    do); None for the zoo's cases, which never start a backend (a 16384-device topology's count would
+    make a later program's jax.devices() start that many)."""
+    if case.model_ref.kind != "factory":
+        return None
     from sharding_dump.zoo.topology import load_topology
 
-    devices = load_topology(case.topology, case.num_slices).num_devices
-    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), devices)
+    return load_topology(case.topology, case.num_slices).num_devices
+
+
+def give_cpu_devices(count: int) -> None:
+    """`count` CPU devices, after the user's own XLA_FLAGS: XLA reads it when the CPU backend starts,
+    which no dump does itself (so the count costs nothing otherwise); once a backend runs, its devices
+    stay what they are, so a process serves one count (`--all` dumps the cases of each other count in
+    a process of its own)."""
+    os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), count)
 
 
 def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:

@@ -296,6 +296,12 @@ def message(err: BaseException) -> str:
     return told
 
 
+def _hint(err: BaseException) -> str:
+    """What data/user_code.yml's `hints` say to do about `err`'s message ("" when none holds it)."""
+    text = str(err)
+    return next((entry["hint"] for entry in _told().get("hints", ()) if entry["says"] in text), "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Location:
     """Where the user's code raised: the innermost frame of the user's code, and the flax parameter
@@ -405,7 +411,7 @@ def guard(what: str, detail: str = "", limit: float | None = None, hint: str = L
 
     def told(err: BaseException) -> str:
         location = raised_at(err)
-        parts = [detail] + ([call_hint] if location is None else [])
+        parts = [detail] + ([call_hint] if location is None else []) + [_hint(err)]
         suffix = "; ".join(p for p in parts if p)
         return (f" at {location.text()}" if location is not None else "") + (f" ({suffix})" if suffix else "")
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
@@ -69,9 +69,24 @@ def mesh_shape(mesh: Any) -> MeshShape:
     return tuple((str(name), int(size)) for name, size in mesh.shape.items())
 
 
-def mesh_text(shape: MeshShape) -> str:
-    """`data=2 x model=4`."""
-    return " x ".join(f"{name}={size}" for name, size in shape)
+def axis_kinds(mesh: Any) -> tuple[str, ...]:
+    """Each axis's type (`Auto`, `Explicit`, `Manual`) of a concrete or abstract mesh, in its order."""
+    return tuple(getattr(kind, "name", str(kind)) for kind in getattr(mesh, "axis_types", None) or ())
+
+
+def mesh_text(shape: MeshShape, kinds: Sequence[str] = ()) -> str:
+    """`data=2 x model=4`, with its axis types when given: `data=2 x model=4 (Explicit axes)`, or each
+    axis's own when they differ (`data=2 (Explicit) x model=4 (Auto)`)."""
+    if len(set(kinds)) > 1:
+        return " x ".join(f"{name}={size} ({kind})" for (name, size), kind in zip(shape, kinds))
+    text = " x ".join(f"{name}={size}" for name, size in shape)
+    return f"{text} ({kinds[0]} axes)" if kinds else text
+
+
+def _same_kinds(found: Sequence[str], want: Sequence[str]) -> bool:
+    """Axis types that agree: a Manual axis (inside a `shard_map`) is the mesh's own axis made manual
+    there, whatever type it has outside."""
+    return all(a == b or "Manual" in (a, b) for a, b in zip(found, want))
 
 
 def _meshes_in(value: Any) -> Iterator[Any]:
@@ -119,32 +134,55 @@ def meshes(closed: ClosedJaxpr) -> list[tuple[MeshShape, str]]:
 
 def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
     """What to do when the program's mesh is a concrete one over every device of this process (Kauldron's
-    `DEVICES_MESH`, a mesh of `jax.devices()`) and the process has fewer devices than the case: start it
+    `DEVICES_MESH`, a mesh of `jax.devices()`) and the process has another count than the case: start it
     with the case's count. Only a concrete mesh asks, so the backend it counts has started already."""
     size, wanted = math.prod(n for _, n in shape), math.prod(n for _, n in want)
     concrete = any(isinstance(mesh, jax.sharding.Mesh) and mesh_shape(mesh) == shape
                    for mesh, _ in _named_meshes(closed))
-    if not concrete or size >= wanted or size != jax.device_count():
+    if not concrete or size == wanted or size != jax.device_count():
         return ""
     return (f"; this process has {size} device{'s' * (size != 1)} and the program's mesh spans all of them: start it "
-            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds it; "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds the "
+            "count of the first user program it runs, and --all dumps each other count in a process of its own; "
             "a pytest or Python process needs it set before JAX starts)")
 
 
 def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh") -> None:
     """BadInput, one line naming both meshes, when `what` (e.g. `the program's init`) places its arrays
-    on a mesh whose axis names or sizes are not `mesh`'s: the dump would lay the program's specs on
-    another mesh than the one it runs on."""
-    want = mesh_shape(mesh)
+    on a mesh whose axis names, sizes or types are not `mesh`'s: the dump would lay the program's specs
+    on another mesh than the one it runs on."""
+    seen: set[tuple[MeshShape, tuple[str, ...]]] = set()  # an abstract mesh's axis types are the case's
+    # as the program's own `auto_axes` / `explicit_axes` region changed them: only a concrete mesh's are its own
+    for found, where in _named_meshes(closed):
+        key = (mesh_shape(found), axis_kinds(found))
+        if key[0] and key not in seen:  # an empty mesh is jax's own "no mesh"
+            seen.add(key)
+            refuse_other_mesh(found, mesh, f"{what} places its arrays on its own mesh", where, case_mesh,
+                              lambda shape=key[0]: ", or build the program's mesh with the case's device count "
+                              "(jax.devices()) or from jax.sharding.get_abstract_mesh()"
+                              + _device_hint(closed, shape, mesh_shape(mesh)),
+                              types=isinstance(found, jax.sharding.Mesh))
+
+
+def refuse_other_mesh(found: Any, mesh: Any, said: str, where: str, case_mesh: str = "the case's mesh",
+                      hint: Callable[[], str] = str, types: bool = True) -> None:
+    """BadInput, one line naming both meshes (`said` the program's mesh, `where` what names it), when the
+    program's mesh `found` is not `mesh` in its axis names, sizes or types (shard_mode records the case's
+    axis types in the golden, so a program that changes only its mesh's axis types fails its golden too);
+    `hint()` adds to the remedy on other axis names or sizes; `types` False compares no axis types."""
+    want, shape = mesh_shape(mesh), mesh_shape(found)
     if not want:  # traced outside any mesh: nothing to hold the program's against
         return
-    for shape, where in meshes(closed):
-        if shape != want:
-            raise BadInput(f"{what} places its arrays on its own mesh {mesh_text(shape)} ({where}), not on "
-                           f"{case_mesh} {mesh_text(want)}: give the case the program's mesh (the rule file's "
-                           "mesh_axes and the ici_/dcn_*_parallelism settings), or build the program's mesh "
-                           "with the case's device count (jax.devices()) or from jax.sharding.get_abstract_mesh()"
-                           + _device_hint(closed, shape, want))
+    if shape != want:
+        raise BadInput(f"{said} {mesh_text(shape)} ({where}), not on {case_mesh} {mesh_text(want)}: give the case "
+                       "the program's mesh (the rule file's mesh_axes and the ici_/dcn_*_parallelism settings)"
+                       + hint())
+    kinds, wanted = axis_kinds(found), axis_kinds(mesh)
+    if types and not _same_kinds(kinds, wanted):
+        raise BadInput(f"{said} {mesh_text(shape, kinds)} ({where}), not on {case_mesh} {mesh_text(want, wanted)}: "
+                       "give the case the program's axis types (shard_mode=explicit for Explicit axes, "
+                       "shard_mode=auto for Auto), or build the program's mesh with the case's "
+                       "(jax.make_mesh(..., axis_types=...))")
 
 
 # --- what the program declares --------------------------------------------------------------------------

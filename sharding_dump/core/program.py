@@ -398,11 +398,18 @@ class TrainProgram:
     metrics)` (their loss, optimizer, remat, RNG handling) and the abstract `batch`, field name ->
     :class:`Input`. The harness runs `init` under `jax.eval_shape` on the case's mesh and rules,
     places each batch field (its logical axes, else the input layout) and traces `train_step` on the
-    state with linen boxes removed (as a trainer unboxes before jit)."""
+    state with linen boxes removed (as a trainer unboxes before jit).
+
+    `mesh`: the mesh the program runs on, when it sets it as a context rather than naming it in its
+    shardings (Levanter's `with trainer:`, `jax.set_mesh(mesh)`, haliax's `named_jit` taking the mesh
+    from that context): a traced init or step cannot set a mesh, so the harness traces them on the
+    case's mesh and refuses, in one line naming both, a `mesh` other than it (axis names, sizes,
+    types). A mesh set with `jax.set_mesh` while init is traced is held against the case's too."""
 
     init: Callable[[jax.Array], Any]
     train_step: Callable[[Any, dict[str, jax.Array]], tuple[Any, Any]]
     batch: Mapping[str, Input] = dataclasses.field(default_factory=lambda: dict(TOKEN_BATCH))
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
     def __post_init__(self) -> None:
         """Every argument checked where it is given: one line naming it and what would be valid."""
@@ -413,6 +420,9 @@ class TrainProgram:
             if isinstance(fn, (nn.Module, _nnx().Module)) or hf_module(fn) is not None:
                 raise ProgramError(f"TrainProgram({name}={describe(fn)}): a model, not a function {form}; a factory "
                                    "returns the model itself, or a ModelProgram of it, for the harness's own step")
+        if self.mesh is not None and not isinstance(self.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+            raise ProgramError(f"TrainProgram(mesh={describe(self.mesh)}): give the mesh the program runs on, a "
+                               "jax.sharding.Mesh (Levanter's trainer.device_mesh) or AbstractMesh, or None")
         if not isinstance(self.batch, Mapping) or not self.batch:
             raise ProgramError(f"TrainProgram(batch={describe(self.batch)}): give a non-empty mapping, field name -> "
                                "Input(shape, dtype, logical_axes), e.g. {'inputs': Input(), 'targets': Input()}")
@@ -444,13 +454,17 @@ class TrainProgram:
         as on an Explicit one (:mod:`sharding_dump.core.placement`). An init that places its state on
         a mesh of its own other than the current one is refused (:func:`~sharding_dump.core.handback.
         check_mesh`)."""
-        from sharding_dump.core.handback import check_mesh
+        from sharding_dump.core.handback import check_mesh, refuse_other_mesh
         from sharding_dump.core.placement import declared_specs, placed_outputs
 
+        case = jax.sharding.get_abstract_mesh()
+        for mesh, where in ((self.mesh, "TrainProgram(mesh=...)"), (jax.sharding.get_mesh(), "set with jax.set_mesh")):
+            if mesh is not None and not mesh.empty:
+                refuse_other_mesh(mesh, case, "the program runs on its own mesh", where)
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"):
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
-        check_mesh(closed, jax.sharding.get_abstract_mesh(), f"the program's init {_name(self.init)}")
+        check_mesh(closed, case, f"the program's init {_name(self.init)}")
         if not jax.tree.leaves(shapes):
             raise ProgramError(f"the program's init {_name(self.init)} returned {describe(shapes)}, a state with no "
                                "arrays; the interface expects the training state: its parameters and optimizer state")

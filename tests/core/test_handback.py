@@ -106,6 +106,51 @@ def test_a_mesh_over_every_device_of_a_process_with_too_few_says_how_many_to_sta
     assert "XLA_FLAGS" not in str(refused.value)
 
 
+def test_a_mesh_the_program_sets_as_a_context_is_held_against_the_case():
+    """A program that takes its mesh from the context (haliax's named_jit) gives it as TrainProgram(mesh=...),
+    or sets it with jax.set_mesh around the harness's call: either, other than the case's, is refused in
+    one line naming both; the same mesh passes. Setting it inside init, where jax refuses, says what to do."""
+    import numpy as np
+    import sharding_dump as sd
+    from sharding_dump.core.program import ProgramError
+
+    def init(key):
+        return {"w": jax.jit(lambda: jnp.zeros((8, 8)), out_shardings=NamedSharding(jax.sharding.get_abstract_mesh(), P()))()}
+
+    def step(state, batch):
+        return state, {}
+
+    devices = jax.device_count()
+    concrete = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+    case = AbstractMesh((devices,), ("data",), axis_types=(AxisType.Auto,))
+    other = AbstractMesh((2 * devices,), ("data",), axis_types=(AxisType.Auto,))
+    with jax.sharding.use_abstract_mesh(case):
+        sd.TrainProgram(init, step, mesh=concrete).placed_state(jax.random.key(0))
+        with pytest.raises(BadInput, match=rf"^the program runs on its own mesh data={2 * devices} "
+                                           rf"\(TrainProgram\(mesh=\.\.\.\)\), not on the case's mesh data={devices}: "):
+            sd.TrainProgram(init, step, mesh=other).placed_state(jax.random.key(0))
+        with pytest.raises(BadInput, match=r"own mesh data=\d+ \(Explicit axes\) \(TrainProgram\(mesh=\.\.\.\)\), not "
+                                           r"on the case's mesh data=\d+ \(Auto axes\): give the case the program's axis"):
+            sd.TrainProgram(init, step, mesh=case.update_axis_types({"data": AxisType.Explicit})).placed_state(
+                jax.random.key(0))
+    renamed = AbstractMesh((devices,), ("model",), axis_types=(AxisType.Auto,))  # jax keeps the size set_mesh set
+    with jax.set_mesh(concrete), jax.sharding.use_abstract_mesh(renamed):
+        with pytest.raises(BadInput, match=rf"^the program runs on its own mesh data={devices} \(set with "
+                                           rf"jax.set_mesh\), not on the case's mesh model={devices}: "):
+            sd.TrainProgram(init, step).placed_state(jax.random.key(0))
+
+    def init_in_context(key):
+        with jax.set_mesh(concrete):
+            return init(key)
+
+    with jax.sharding.use_abstract_mesh(case), pytest.raises(ProgramError, match=(
+            r"failed with ValueError: `set_mesh` can only be used outside of `jax.jit`\. at .*test_handback.py:\d+ .*; "
+            r"the harness traces init and the step, where jax sets no mesh: .* TrainProgram\(mesh=\.\.\.\)")):
+        sd.TrainProgram(init_in_context, step).placed_state(jax.random.key(0))
+    with pytest.raises(ProgramError, match=r"^TrainProgram\(mesh='data'\): give the mesh the program runs on"):
+        sd.TrainProgram(init, step, mesh="data")
+
+
 # --- a program that places its own batch and constrains its whole state at the end of its step -----------
 
 def fsdp_specs(strategy) -> dict[str, tuple]:
@@ -216,15 +261,16 @@ EQX_RUN = textwrap.dedent("""
     from sharding_dump.zoo.case import Case
 
     warnings.simplefilter("ignore")
-    case = Case.make("examples.eqx_lm:small_lm", "cpu-8", "examples/eqx_rules.yml",
-                     overrides={{"ici_data_parallelism": 4, "ici_model_parallelism": 2, "per_device_batch_size": 2,
-                                "max_target_length": 32}})
+    SETTINGS = {{"ici_data_parallelism": 4, "ici_model_parallelism": 2, "per_device_batch_size": 2,
+                "max_target_length": 32}}
+    case = Case.make("examples.eqx_lm:small_lm", "cpu-8", "examples/eqx_rules.yml", overrides=SETTINGS)
+    context = Case.make("examples.eqx_lm:small_lm_context", "cpu-8", "examples/eqx_rules.yml", overrides=SETTINGS)
     FOLDER = {folder!r}
 
-    def check():
+    def check(case=case, folder=FOLDER):
         forget_programs()
         try:
-            outcome = check_or_update_folder(FOLDER, codec.render(dump.dump_case(case)), update=False)
+            outcome = check_or_update_folder(folder, codec.render(dump.dump_case(case)), update=False)
         except BadInput as err:
             return "error: " + str(err)
         return outcome.status + ": " + outcome.report
@@ -239,8 +285,15 @@ EQX_RUN = textwrap.dedent("""
     out["slots"] = {{path: layouts["opt_state/0/mu/" + path[len("model/"):]][0] for path in out["own"]}}
     out["written"] = check_or_update_folder(FOLDER, codec.render(dump.dump_case(case)), update=True).status
     out["unchanged"] = check()
+    out["context_same"] = [(t.path, t.partition_spec) for t in dump.case_layouts(context)[1]] == \
+        [(t.path, t.partition_spec) for t in dump.case_layouts(case)[1]]
+    check_or_update_folder(FOLDER + "-context", codec.render(dump.dump_case(context)), update=True)
     eqx_lm.MESH = eqx_lm.MeshConfig(axes=(("data", 2), ("model", 4)))
     out["mesh"] = check()
+    out["context_mesh"] = check(context, FOLDER + "-context")
+    eqx_lm.MESH = eqx_lm.MeshConfig(axis_type=jax.sharding.AxisType.Explicit)
+    out["kinds"] = check()
+    out["context_kinds"] = check(context, FOLDER + "-context")
     eqx_lm.MESH = eqx_lm.MeshConfig(batch_mapping=(("batch", None),))
     out["batch"] = check()
     eqx_lm.MESH = eqx_lm.MeshConfig(step_mapping=(("embed", "data"), ("mlp", None), ("heads", "model"),
@@ -280,6 +333,25 @@ def test_own_mesh_edit_is_refused_naming_both_meshes(eqx_run):
     assert eqx_run["mesh"].startswith("error: the program's init ")
     assert "places its arrays on its own mesh data=2 x model=4 (jit make_state), not on the case's mesh " \
            "data=4 x model=2: give the case the program's mesh" in eqx_run["mesh"]
+
+
+def test_own_mesh_axis_types_edit_is_refused_naming_both(eqx_run):
+    """The program's own mesh with Explicit axes where the case's (shard_mode=auto, in the golden) has
+    Auto ones: one line naming both meshes with their axis types."""
+    assert "places its arrays on its own mesh data=4 x model=2 (Explicit axes) (jit make_state), not on the " \
+           "case's mesh data=4 x model=2 (Auto axes): give the case the program's axis types" in eqx_run["kinds"]
+
+
+def test_context_mesh_program_is_held_against_the_case(eqx_run):
+    """A program that sets its mesh as a context (Levanter's `with trainer:`) and places everything on
+    whatever mesh it finds there dumps as the one that names its own mesh; the mesh it gives as
+    TrainProgram(mesh=...) changed, in sizes or in axis types, is refused naming both meshes."""
+    assert eqx_run["context_same"]
+    assert eqx_run["context_mesh"].startswith("error: the program runs on its own mesh data=2 x model=4 "
+                                              "(TrainProgram(mesh=...)), not on the case's mesh data=4 x model=2: ")
+    assert eqx_run["context_kinds"].startswith("error: the program runs on its own mesh data=4 x model=2 (Explicit "
+                                               "axes) (TrainProgram(mesh=...)), not on the case's mesh data=4 x "
+                                               "model=2 (Auto axes): ")
 
 
 def test_own_mesh_batch_layout_edit_fails_its_golden(eqx_run):

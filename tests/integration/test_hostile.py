@@ -554,6 +554,48 @@ def test_a_program_that_builds_its_mesh_from_the_devices_gets_the_cases_count(tm
                             text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert next((tmp_path / "out").rglob("named_shardings.json")).is_file()
+
+
+# A program whose mesh spans every device of its process, as Kauldron's DEVICES_MESH does.
+ALL_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import sharding_dump as sd
+
+
+def program():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
+    make = lambda key: {"params": {"w": jnp.zeros((16, 4))}}
+    init = lambda key: jax.jit(make, out_shardings={"params": {"w": NamedSharding(mesh, P("fsdp"))}})(key)
+    return sd.TrainProgram(init, lambda state, batch: (state, {}))
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_all_gives_each_program_case_its_own_device_count(tmp_path, jobs):
+    """`--all` over program cases of two device counts: each is dumped in a process of its own case's
+    count, so a program whose mesh spans jax.devices() is on its case's mesh in both (mutation: every
+    case in one process, as before, and the cpu-4 case is refused: `its own mesh fsdp=2 ..., not on the
+    case's mesh fsdp=4`)."""
+    (tmp_path / "all_devices.py").write_text(ALL_DEVICES)
+    (tmp_path / "mesh.yml").write_text("mesh_axes: [fsdp]\n")
+    (tmp_path / "cases.yml").write_text("cases:\n" + "".join(
+        f"  - {{model: prog, topology: cpu-{n}, rule: mesh, overrides: {{ici_fsdp_parallelism: {n}}}}}\n"
+        for n in (2, 4)))
+    (tmp_path / "pyproject.toml").write_text('[tool.sharding-dump]\ngolden-dir = "out"\ncases = ["cases.yml"]\n'
+                                             'rule-dirs = ["."]\nmodels = {prog = "all_devices:program"}\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "--all", "-j", jobs], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sizes = sorted(json.loads(path.read_text())["mesh"]["axis_sizes"]
+                   for path in (tmp_path / "out").rglob("named_shardings.json"))
+    assert sizes == [[2], [4]]
+    if jobs == "1":  # a failing case among the worker pools is its one line, no worker's traceback
+        (tmp_path / "all_devices.py").write_text(ALL_DEVICES.replace("(16, 4)", "(15, 4)"))
+        result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "--all"], cwd=tmp_path,
+                                capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
 @pytest.mark.parametrize("stdout,buffered", [("/dev/full", True), ("/dev/full", False), ("closed", True)],
                          ids=["full-at-the-last-flush", "full-at-a-write", "closed"])
 def test_standard_output_that_cannot_be_written_is_one_line(stdout, buffered):
