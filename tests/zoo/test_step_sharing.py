@@ -21,6 +21,7 @@ from sharding_dump.zoo import dump
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.matrix import load_matrix
 
+TRACE_CASE = dump.trace_case  # the harness's own, before a test counts its calls
 # A card's cases, the first one under the default rule file (whose repeated names reversing reorders).
 CARD_CASES = sorted((c for c in load_matrix() if c.model_ref.kind != "factory"), key=lambda c: c.rule != "default")
 
@@ -72,19 +73,13 @@ def test_a_shared_trace_writes_the_bytes_of_a_fresh_process(case, tmp_path, monk
     assert original == fresh_process(case, tmp_path / "fresh")
 
 
-TRACE_CASE = dump.trace_case
-
-
-def test_the_reversed_rules_place_activations_otherwise():
+def test_the_reversed_rules_place_activations_otherwise(tmp_path):
     """The check above compares layouts that differ: the first case's activations under its rules in
     reverse order have other specs (resolved after the shared trace), and its trace reads its rules
     only in constrain()."""
     case = CARD_CASES[0]
     setup = dump.setup_case(case)
     assert dump._rule_free(dump._StepOf(setup.shared_step_inputs(), setup)) is not None
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        other = reversed_rules(case, Path(folder))
-        specs = [{c.key: c.partition_spec for c in dump.trace_activations(dump.setup_case(c))} for c in (case, other)]
+    other = reversed_rules(case, tmp_path)
+    specs = [{c.key: c.partition_spec for c in dump.trace_activations(dump.setup_case(c))} for c in (case, other)]
     assert specs[0].keys() == specs[1].keys() and specs[0] != specs[1]
