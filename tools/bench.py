@@ -91,21 +91,27 @@ def cli(*args: str) -> list[str]:
 
 def unique_traces(cases: list) -> tuple[int, float]:
     """(distinct training steps, seconds to trace each once): what `--all` cannot do in less time on
-    one core. Each case's setup and abstract state are built first and not counted."""
+    one core. Each case's setup and abstract state are built first and not counted. Steps are told
+    apart as `--all` tells them apart: by their inputs, without the rule file where the trace's rules
+    reached it only as constrain()'s specs (sharding_dump.zoo.dump.step_reading)."""
     import jax
 
+    from sharding_dump.core.capture import read_constraints
     from sharding_dump.zoo.dump import abstract_state_of, setup_case, trace_case
 
     seconds: dict[tuple, float] = {}
     with jax.numpy_dtype_promotion("standard"):
         for case in cases:
             setup = setup_case(case)
-            if setup.step_inputs() in seconds:
+            free = setup.shared_step_inputs()
+            if setup.step_inputs() in seconds or free in seconds:
                 continue
             abstract_state_of(setup)
             start = time.perf_counter()
-            trace_case(setup)
-            seconds[setup.step_inputs()] = time.perf_counter() - start
+            closed, rec = trace_case(setup)
+            took = time.perf_counter() - start
+            read_constraints(closed, rec)  # notes a constrain() placement a transform changed
+            seconds[free if free is not None and not rec.rules_read else setup.step_inputs()] = took
     return len(seconds), sum(seconds.values())
 
 

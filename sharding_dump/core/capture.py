@@ -80,18 +80,27 @@ _LOGICAL_CALLS = frozenset({"with_logical_constraint", "with_sharding_constraint
 
 @dataclasses.dataclass(frozen=True)
 class CallSite:
-    """A :func:`constrain` call: its given name and logical axes."""
+    """A :func:`constrain` call: its given name and logical axes, whether flax resolved them under the
+    trace's own rules (not under rules the program set for a block of its own), and the rank of the
+    array it placed (a transform such as vmap adds dimensions, and mesh axes, to the placement)."""
 
     name: str
     logical_axes: tuple[str | None, ...]
+    traced_rules: bool = False
+    ndim: int = -1
 
 
 @dataclasses.dataclass
 class Recording:
-    """The :func:`constrain` calls noted during one trace, numbered in call order."""
+    """The :func:`constrain` calls noted during one trace, numbered in call order, the trace's logical
+    axis rules, and whether they reached the trace otherwise than as the specs of constrain() calls
+    (see :func:`resolved`): read by anything else, or a constrain() placement that is not their
+    resolution of its logical axes (transformed, e.g. by vmap), as :func:`read_constraints` finds."""
 
     token: int
     sites: list[CallSite] = dataclasses.field(default_factory=list)
+    rules: tuple[tuple[str, Any], ...] | None = None
+    rules_read: bool = False
 
     def note(self, site: CallSite) -> int:
         self.sites.append(site)
@@ -109,6 +118,7 @@ class Constraint:
     dtype: str
     logical_axes: tuple[str | None, ...]
     partition_spec: PartitionSpec
+    resolvable: bool = False  # a constrain() call's constraint under the trace's rules: its spec is theirs
 
     @property
     def key(self) -> str:
@@ -117,6 +127,7 @@ class Constraint:
 
 
 _CURRENT: contextvars.ContextVar[Recording | None] = contextvars.ContextVar("sharding_dump_recording", default=None)
+_RESOLVING: contextvars.ContextVar[bool] = contextvars.ContextVar("sharding_dump_resolving", default=False)
 _PREFIX: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("sharding_dump_module_prefix", default=())
 _TOKENS = itertools.count(1)  # tells one recording's markers from another's
 
@@ -187,11 +198,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
     if len(axes) > x.ndim:  # fewer leave the last dimensions free, as flax does (MaxText's Qwen3-Next)
         raise ValueError(f"activation {name!r}: {len(axes)} logical axes for a rank-{x.ndim} array")
     _check_name(name)
-    if explicit_mesh():
-        return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))), name, axes)
-    if not nn.get_logical_axis_rules():  # flax places nothing without rules: no constraint to note, none lost
-        return x
-    return _named(lambda: nn.with_logical_constraint(x, axes), name, axes)
+    reset = _RESOLVING.set(True)  # the trace's rules, read here, are read again by resolved()
+    try:
+        rules = nn.get_logical_axis_rules()
+        traced = isinstance(rules, _TraceRules) and rules.recording is _CURRENT.get()
+        if explicit_mesh():
+            return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))),
+                          name, axes)
+        if not rules:  # flax places nothing without rules: no constraint to note, none lost
+            return x
+        return _named(lambda: nn.with_logical_constraint(x, axes), name, axes, traced, x.ndim)
+    finally:
+        _RESOLVING.reset(reset)
 
 
 def constrain_spec(x: jax.Array, spec: PartitionSpec | NamedSharding, name: str) -> jax.Array:
@@ -214,12 +232,13 @@ def _check_name(name: str) -> None:
         raise ValueError(f"activation name {name!r}: use letters, digits, '_', '.' or '-'")
 
 
-def _named(place: Callable[[], Any], name: str, axes: tuple[str | None, ...]) -> Any:
+def _named(place: Callable[[], Any], name: str, axes: tuple[str | None, ...], traced_rules: bool = False,
+           ndim: int = -1) -> Any:
     """Runs `place` under a named scope that marks its equations as the named call site."""
     rec = _CURRENT.get()
     if rec is None:
         return place()
-    index = rec.note(CallSite(name, axes))
+    index = rec.note(CallSite(name, axes, traced_rules, ndim))
     with jax.named_scope(f"activation:{name}@{rec.token}.{index}"):
         return place()
 
@@ -464,6 +483,7 @@ class _Placed:
     shape: tuple[int, ...]
     dtype: str
     spec: PartitionSpec
+    resolvable: bool = False  # a constrain() call's constraint resolved under the trace's rules
 
 
 def read_constraints(closed: ClosedJaxpr, rec: Recording) -> list[Constraint]:
@@ -499,7 +519,7 @@ def read_constraints(closed: ClosedJaxpr, rec: Recording) -> list[Constraint]:
                 axes, name = (None,) * len(p.shape), f"{p.primitive}-{labels[p.site]}"
             else:
                 name = _derived_name(axes)
-        entry = add(Constraint(p.module, name, p.pass_, p.shape, p.dtype, axes, p.spec), p.name is not None)
+        entry = add(Constraint(p.module, name, p.pass_, p.shape, p.dtype, axes, p.spec, p.resolvable), p.name is not None)
         if p.typed and p.pass_ == FORWARD and entry not in typed.setdefault((p.module, p.site), []):
             typed[(p.module, p.site)].append(entry)
     for entry, named in _cotangents(transposed, typed, rec):
@@ -536,7 +556,8 @@ def _walk(closed: ClosedJaxpr, rec: Recording) -> tuple[list[_Placed], list[tupl
             index = _site_index(marks[-1], rec, stack)
             site = rec.sites[index]
             placed.append(_Placed(pass_, _module_of(stack), f"@{index}", site.name, site.logical_axes,
-                                  eqn.primitive.name, is_typed, shape, aval.dtype.name, sharding.spec))
+                                  eqn.primitive.name, is_typed, shape, aval.dtype.name, sharding.spec,
+                                  site.traced_rules and not is_typed and _resolves(site, sharding.spec, len(shape), rec)))
             continue
         origin = _origin(eqn)
         if origin.parameter or not origin.chain or (is_typed and not origin.sharding_argument):
@@ -554,6 +575,22 @@ def _walk(closed: ClosedJaxpr, rec: Recording) -> tuple[list[_Placed], list[tupl
         placed.append(_Placed(pass_, _module_of(stack), origin.chain, None, axes, eqn.primitive.name, is_typed,
                               shape, aval.dtype.name, spec))
     return placed, transposed
+
+
+def _resolves(site: CallSite, spec: PartitionSpec, rank: int, rec: Recording) -> bool:
+    """True when a constrain() placement made under the trace's rules is their resolution of its logical
+    axes on an array of the rank it was called with: what :func:`resolved` computes again under other
+    rules. Otherwise (a transform placed it otherwise) the rules reached the trace another way."""
+    import flax.linen as nn
+
+    from sharding_dump.core.specs import spec_to_json
+
+    if rec.rules is not None and rank == site.ndim and len(spec) <= rank:
+        plain = nn.logical_to_mesh_axes(site.logical_axes, rec.rules)
+        if spec_to_json(plain, site.ndim) == spec_to_json(spec, site.ndim):
+            return True
+    rec.rules_read = True
+    return False
 
 
 def _cotangents(transposed: list[tuple[JaxprEqn, str]], typed: dict[tuple[str, Any], list[Constraint]],
@@ -606,13 +643,71 @@ def record_activations(fn: Callable[..., Any], *args: Any, mesh: Any, rules: Any
 
 def trace(fn: Callable[..., Any], *args: Any, mesh: Any, rules: Any) -> tuple[ClosedJaxpr, Recording]:
     """The jaxpr of `fn(*args)` traced on `mesh` under `rules`, and its recording. The mesh is also the
-    legacy `with mesh:` one (:mod:`sharding_dump.core.legacy_mesh`), so helpers gated on it constrain."""
+    legacy `with mesh:` one (:mod:`sharding_dump.core.legacy_mesh`), so helpers gated on it constrain.
+    The recording says whether anything but :func:`constrain` read the rules (see :func:`resolved`)."""
     import flax.linen as nn
 
     from sharding_dump.core.layout import rules_of
 
     abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
-    with jax.sharding.use_abstract_mesh(abstract), legacy_mesh(abstract), nn.logical_axis_rules(rules_of(rules)), \
-            recording() as rec:
-        closed = jax.make_jaxpr(fn)(*args)
+    with jax.sharding.use_abstract_mesh(abstract), legacy_mesh(abstract), recording() as rec:
+        rec.rules = rules_of(rules)
+        with nn.logical_axis_rules(_TraceRules(rec.rules, rec)):
+            closed = jax.make_jaxpr(fn)(*args)
     return closed, rec
+
+
+class _TraceRules(tuple):  # type: ignore[type-arg]
+    """The logical axis rules of one trace, given to flax as they are (pairs of logical name and mesh
+    axes), that note on the trace's recording any read other than :func:`constrain`'s own: flax's
+    `with_logical_constraint` called by the program or by flax itself, `nn.logical_to_mesh_axes`
+    (e.g. for a shard_map's specs), `nn.get_logical_axis_rules()` read to derive other rules. Every
+    way to read a tuple subclass goes through its methods (CPython reads a tuple in place only when it
+    is exactly `tuple`), each of which notes the read (:data:`_TUPLE_READS`)."""
+
+    recording: Recording
+
+    def __new__(cls, pairs: tuple[tuple[str, Any], ...], recording: Recording) -> "_TraceRules":
+        made = super().__new__(cls, pairs)
+        made.recording = recording
+        return made
+
+    def __radd__(self, other: Any) -> Any:  # `pairs + rules`: tuple has no __radd__ of its own
+        return tuple(other) + tuple(self)
+
+
+_TUPLE_READS = ("__iter__", "__getitem__", "__len__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
+                "__gt__", "__ge__", "__hash__", "__add__", "__mul__", "__rmul__", "__repr__", "__getnewargs__",
+                "__reduce__", "__reduce_ex__", "count", "index")
+
+
+def _noting(name: str) -> Callable[..., Any]:
+    """`tuple.<name>`, noting on the trace's recording that its rules were read (outside constrain())."""
+    read = getattr(tuple, name)
+
+    def method(self: _TraceRules, *args: Any) -> Any:
+        if not _RESOLVING.get():
+            self.recording.rules_read = True
+        return read(self, *args)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in _TUPLE_READS:
+    setattr(_TraceRules, _name, _noting(_name))
+
+
+def resolved(constraints: Sequence[Constraint], rules: Any) -> tuple[Constraint, ...]:
+    """`constraints` read from a trace whose rules reached it only as the specs of constrain() calls
+    (`Recording.rules_read` false after :func:`read_constraints`), as the same trace under `rules`
+    gives them: the program took the same path whatever the rules, so only the spec of each such
+    constraint changes, and that spec is flax's resolution of its logical axes, made again here under
+    `rules`. Every other placement stays as traced."""
+    import flax.linen as nn
+
+    from sharding_dump.core.layout import rules_of
+
+    pairs = rules_of(rules)
+    return tuple(dataclasses.replace(c, partition_spec=nn.logical_to_mesh_axes(c.logical_axes, pairs))
+                 if c.resolvable else c for c in constraints)

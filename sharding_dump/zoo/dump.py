@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from sharding_dump import models
 from sharding_dump.core import documents, specs
-from sharding_dump.core.capture import Constraint, Recording, read_constraints, trace
+from sharding_dump.core.capture import Constraint, Recording, read_constraints, resolved, trace
 from sharding_dump.core.gc_policy import fewer_collections
 from sharding_dump.core.handback import HandBack, check_mesh, demanded, hand_backs, returned
 from sharding_dump.core.layout import TensorLayout, indivisible, typed_layouts
@@ -81,9 +81,20 @@ class CaseSetup:
         """Everything the traced training step depends on: setups that agree on it trace the same step,
         once per process (a card's explicit-mode case and its auto twin agree: the zoo's step runs on
         the Auto mesh)."""
+        return self._step_inputs(self.rule_set)
+
+    def shared_step_inputs(self) -> tuple[Any, ...] | None:
+        """The step inputs but the rule file, for a card's step: the rules reach the trace only as
+        flax's logical axis rules, and where nothing but `constrain()` reads them the trace is the same
+        under any rule file that has rules (:func:`sharding_dump.core.capture.resolved`). None for a
+        user's program, whose reading also takes physical layouts out of the jaxpr."""
+        if self.config is None:
+            return None
+        return self._step_inputs(bool(self.rule_set.logical_axis_rules))
+
+    def _step_inputs(self, rules: Any) -> tuple[Any, ...]:
         factory = self.case.model if self.config is None else None
-        return (factory, self.config, self.pipeline, self.optimizer, self.batch, self.plan, self.rule_set,
-                self.step_explicit)
+        return (factory, self.config, self.pipeline, self.optimizer, self.batch, self.plan, rules, self.step_explicit)
 
 
 def setup_case(case: Case) -> CaseSetup:
@@ -478,8 +489,14 @@ class StepReading:
 
 
 def step_reading(setup: CaseSetup) -> StepReading:
-    """The case's traced step read once per process (see :func:`trace_activations`)."""
-    return _recorded(_StepOf(setup.step_inputs(), setup))
+    """The case's traced step read once per process (see :func:`trace_activations`); a card's step
+    whose rules nothing but `constrain()` read is traced once for every rule file (same model, batch
+    and mesh), each case's constrain() specs resolved under its own rules."""
+    free = setup.shared_step_inputs()
+    shared = _rule_free(_StepOf(free, setup)) if free is not None else None
+    if shared is not None:
+        return dataclasses.replace(shared, constraints=resolved(shared.constraints, setup.rule_set))
+    return _recorded(_StepOf(setup.step_inputs(), setup))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,12 +506,22 @@ class _StepOf:
 
 
 @functools.lru_cache(maxsize=CASES_PER_PROCESS)
-def _recorded(step: _StepOf) -> StepReading:
+def _rule_free(step: _StepOf) -> StepReading | None:
+    """The reading of the first case with these rule-free step inputs, when its trace read its rules
+    only in constrain() (so any rule file gives the same trace); None when something else read them
+    (a MoE dispatch's shard_map specs, a pipeline's stage rules): then each rule file is traced."""
+    reading, rules_read = _recorded(_StepOf(step.setup.step_inputs(), step.setup))
+    return None if rules_read else reading
+
+
+@functools.lru_cache(maxsize=CASES_PER_PROCESS)
+def _recorded(step: _StepOf) -> tuple[StepReading, bool]:
+    """The step's reading, and whether anything but constrain() read its rules."""
     setup = step.setup
     closed, rec = trace_case(setup)
     constraints = tuple(read_constraints(closed, rec))
     if setup.config is not None:  # the zoo's own step decides nothing the rule file does not
-        return StepReading(constraints)
+        return StepReading(constraints), rec.rules_read
     import jax
 
     from sharding_dump.core.tree import path_text
@@ -508,7 +535,7 @@ def _recorded(step: _StepOf) -> StepReading:
     for index, name in enumerate(fields, start=len(state)):
         skip = f"activation:{name}@{rec.token}."  # the harness's own placement of the field, made first
         batch += [(name, spec) for spec in demanded(closed, [index], skip).values()]
-    return StepReading(constraints, taken, back, tuple(batch))
+    return StepReading(constraints, taken, back, tuple(batch)), rec.rules_read
 
 
 def render_case(case: Case) -> dict[str, bytes]:

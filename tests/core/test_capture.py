@@ -332,3 +332,54 @@ def test_t5x_style_records_its_activation_constraints_and_no_weight_read(fresh):
     batch = [f"forward/{field}" for field in ("inputs", "targets")]
     assert sorted(acts) == sorted(layers + batch + ["forward/batch.length.embed", "backward/batch.length.embed"])
     assert all(entry["logical_axes"][0] == "batch" for entry in acts.values())
+
+
+# --- one trace for every rule file: rules read only by constrain() are resolved after the trace ----------
+
+RULES_A = (("batch", "data"), ("embed", "model"))
+RULES_B = (("embed", "data"), ("batch", "model"))  # the same names, the other way round
+FIXED = (("embed", "model"),)  # rules a program sets for a block of its own, whatever the trace's
+
+
+def constrained(x):
+    """constrain() calls only: one under the trace's rules, one inside a rules block of the program's own."""
+    h = sd.constrain(x * 2, ("batch", "embed"), "hidden")
+    with nn.logical_axis_rules(FIXED):
+        h = sd.constrain(h + 1, ("batch", "embed"), "fixed_block")
+    return (h ** 2).sum()
+
+
+def traced_under(fn, rules):
+    from sharding_dump.core.capture import read_constraints, trace
+
+    closed, rec = trace(jax.grad(fn), jax.ShapeDtypeStruct((8, 4), jnp.float32), mesh=AUTO, rules=rules)
+    return read_constraints(closed, rec), rec
+
+
+@pytest.mark.parametrize("reads", [
+    lambda x: nn.with_logical_constraint(x, ("batch", "embed")),  # flax's own, called by the program
+    lambda x: jax.lax.with_sharding_constraint(x, nn.logical_to_mesh_axes(("batch", "embed"))),  # axes resolved by hand
+    lambda x: x * len(nn.get_logical_axis_rules()),  # the rules read to decide something
+    lambda x: jax.vmap(lambda row: sd.constrain(row, ("embed",), "row"), spmd_axis_name="data")(x),  # placed otherwise
+], ids=["with_logical_constraint", "logical_to_mesh_axes", "get_logical_axis_rules", "vmap_spmd_axis"])
+def test_a_rule_read_outside_constrain_is_noted(reads):
+    """The recording says whether the trace's rules reached it otherwise than as constrain()'s specs (read
+    by anything else, or a constrain() placement a transform changed): only if not may a trace stand for
+    another rule file's."""
+    assert not traced_under(constrained, RULES_A)[1].rules_read
+    assert traced_under(lambda x: constrained(reads(x)), RULES_A)[1].rules_read
+
+
+def test_resolved_gives_what_a_trace_under_the_other_rules_reads():
+    """A trace under rules A, its constrain() specs resolved under B, reads as the trace under B: the
+    specs change where the rules do, and the block under the program's own rules keeps its spec."""
+    from sharding_dump.core.capture import resolved
+
+    under_a, _ = traced_under(constrained, RULES_A)
+    under_b, rec = traced_under(constrained, RULES_B)
+    assert not rec.rules_read
+    assert resolved(under_a, RULES_B) == tuple(under_b)
+    specs = {c.key: tuple(c.partition_spec) for c in resolved(under_a, RULES_B)}
+    assert specs == {"forward/hidden": ("model", "data"), "backward/hidden": ("model", "data"),
+                     "forward/fixed_block": (None, "model"), "backward/fixed_block": (None, "model")}
+    assert {c.key: tuple(c.partition_spec) for c in under_a}["forward/hidden"] == ("data", "model")
