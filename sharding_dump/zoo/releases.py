@@ -41,7 +41,8 @@ class Release:
     models_missing: Mapping[str, str]
     builds: tuple[str, ...]
     written: str
-    nnx_keys: tuple[str, ...]  # MaxText keys choosing its NNX build (any true), where it has two builds
+    nnx_keys: tuple[str, ...]  # MaxText keys choosing between its two builds, where it has two
+    choose: Mapping[str, Mapping[str, bool]]  # build -> the values of the keys that choose it
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
 
     def bias_is_state(self, model_name: str) -> bool:
@@ -65,7 +66,8 @@ def releases() -> dict[str, Release]:
                                tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
                                tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
-                               tuple(raw["builds"]["nnx_keys"]), tuple(raw["builds"]["nnx_differs"]))
+                               tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
+                               tuple(raw["builds"]["nnx_differs"]))
     return out
 
 
@@ -108,6 +110,31 @@ def missing_model(name: str) -> str | None:
         if name in rel.models_missing:
             return f"MaxText {rel.version}'s model config {name!r} is not built by the zoo: {rel.models_missing[name]}"
     return None
+
+
+def nnx_build(values: Mapping[str, Any]) -> bool:
+    """Whether MaxText builds its NNX state for a case's settings (`values`, setting -> value), as MaxText
+    honours `pure_nnx`, `enable_nnx` and `pure_nnx_decoder`: a release with one build has it (0.2.5: NNX;
+    it has none of those keys, so any of them given is refused, as its configuration refuses an unknown
+    key); e591f30 builds what data/maxtext_releases.yml `choose` says for the values (its base.yml
+    defaults: NNX), and a mix that bridges one build's modules into the other's state is refused."""
+    from sharding_dump.zoo.settings import format_value, value_of
+
+    rel = release_of(values)
+    if not rel.choose:
+        given = [key for rel_ in releases().values() for key in rel_.nnx_keys if key in values]
+        if given:
+            raise BadInput(f"{given[0]}={format_value(values[given[0]])}: not a key of MaxText {rel.version} (it "
+                           f"builds only its {'/'.join(rel.builds).upper()} state; give no {given[0]})")
+        return "nnx" in rel.builds
+    for build, flags in rel.choose.items():
+        if all(value_of(values, key) is flag for key, flag in flags.items()):
+            return build == "nnx"
+    shown_values = " ".join(f"{key}={format_value(value_of(values, key))}" for key in rel.nnx_keys)
+    raise BadInput(f"{shown_values}: MaxText {rel.version} bridges one build's modules into the other's state "
+                   f"with this mix, which sharding-dump does not build; give "
+                   + " or ".join(" ".join(f"{k}={format_value(v)}" for k, v in flags.items())
+                                 + f" ({build})" for build, flags in rel.choose.items()))
 
 
 def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, tensor: int = 1,

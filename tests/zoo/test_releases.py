@@ -152,3 +152,29 @@ def test_every_key_of_a_releases_base_yml_is_known_to_key_value(version):
             settings.parse_overrides(kept)
         except BadInput as err:
             assert str(err).startswith(f"{key}=") and "unknown setting" not in str(err), (key, str(err))
+
+
+NNX_BUILD = [  # (settings, MaxText's build) as e591f30's train_compile.py / models.py read its three keys
+    ({}, True),  # base.yml: all three true
+    ({"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": False}, False),  # MaxText's own sharding tests
+    ({"pure_nnx": False, "enable_nnx": False}, False),  # the Linen Transformer never reads pure_nnx_decoder
+    ({"enable_nnx": False}, True),  # the NNX state never reads enable_nnx
+    ({"maxtext_version": "0.2.5"}, True),  # 0.2.5 has only its NNX build
+]
+
+
+@pytest.mark.parametrize("values,nnx", NNX_BUILD, ids=[str(v) for v, _ in NNX_BUILD])
+def test_nnx_build_is_the_build_maxtext_chooses_for_its_keys(values, nnx):
+    assert releases.nnx_build(values) is nnx
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"pure_nnx": False}, "enable_nnx=true pure_nnx_decoder=true pure_nnx=false: MaxText 0.2.4 bridges one build's "
+                          "modules into the other's state"),
+    ({"pure_nnx_decoder": False}, "enable_nnx=true pure_nnx_decoder=false pure_nnx=true: MaxText 0.2.4 bridges"),
+    ({"maxtext_version": "0.2.5", "pure_nnx": True}, "pure_nnx=true: not a key of MaxText 0.2.5"),
+    ({"maxtext_version": "0.2.5", "enable_nnx": False}, "enable_nnx=false: not a key of MaxText 0.2.5"),
+])
+def test_nnx_build_refuses_a_mix_and_keys_a_release_lacks(values, message):
+    with pytest.raises(BadInput, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        releases.nnx_build(values)
