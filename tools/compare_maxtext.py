@@ -18,13 +18,11 @@ partition_spec) over all leaves must also cancel exactly. The mesh and, when bot
 them, the logical axes are compared the same way. What is left here is only what differs in file
 format: the key syntax, the mesh per leaf, and the logical axes under `partition_spec`.
 
-With `--nnx`, the reference is a dump of MaxText's NNX build (`['model']/['decoder']/.../.value`,
-`['optimizer']/['opt_state']/[0]/['mu']/...`, `['optimizer']/['step']/.value`), which sharding-dump does
-not write (it writes the Linen build's layout for every release, data/maxtext_releases.yml): its paths
-are read as the Linen build names the same leaves (`model/` is `params/`, `optimizer/opt_state/` is
-`opt_state/`, `optimizer/step` is `step`, the trailing `.value` is no level), its RNG-state leaves
-(`.../rngs/...`) are counted apart, the size-1 mesh axes the NNX build leaves out of its specs are left
-out of ours too, and its logical file (mesh specs again) is not compared.
+A dump of MaxText's NNX build (`['model']/['decoder']/.../.value`, `['optimizer']/['opt_state']/[0]/['mu']/...`)
+reads the same way (an NNX variable's trailing `.value` is no level, as a flax box's value is none) and
+compares with our golden of the same case written as that build (`pure_nnx`, data/maxtext_releases.yml), by
+path, RNG-state leaves included. Its logical file holds mesh specs again, not logical axes: keep only its
+named file.
 
 Exit status: 0 when everything matches, 1 when something differs, 2 on bad input (one line).
 Reads JSON only: no JAX import, so it runs in a fraction of a second. `main(argv)` (the command line)
@@ -82,49 +80,14 @@ def entry_text(spec: Any, rank: int, exact: bool) -> str:
     return spec_text(spec_to_json(spec, rank))
 
 
-# The NNX build's state as the Linen build names it: (prefix of the NNX path, the Linen path's prefix).
-NNX_AS_LINEN = (("model/", "params/"), ("optimizer/opt_state/", "opt_state/"), ("optimizer/step", "step"))
-NNX_VALUE = "/value"  # an nnx.Variable's value: no level of the Linen path
-NNX_RNG = "rngs"  # a module's RNG state (count, key per stream): the Linen build has none
-
-
-def linen_path(nnx_path: str) -> str | None:
-    """The Linen build's path of an NNX-build leaf (`model/decoder/x/kernel/value` -> `params/decoder/x/kernel`),
-    None for an RNG-state leaf."""
-    names = nnx_path.removesuffix(NNX_VALUE)
-    if NNX_RNG in names.split("/"):
-        return None
-    for nnx_prefix, linen_prefix in NNX_AS_LINEN:
-        if names.startswith(nnx_prefix):
-            return linen_prefix + names[len(nnx_prefix):]
-    return names
-
-
-def without_size_one(spec: list[Any], sizes: dict[str, int]) -> list[Any]:
-    """A partition spec without its size-1 mesh axes, as MaxText's NNX build writes specs."""
-    out = []
-    for entry in spec:
-        axes = [a for a in ([entry] if isinstance(entry, str) else entry or []) if sizes.get(a, 1) != 1]
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return out
-
-
-def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False,
-                     nnx: bool = False, rng: list[str] | None = None) -> dict[str, Leaf]:
-    """The reference's leaves by our path; with `nnx`, an NNX-build dump read as the Linen build (its
-    RNG-state leaves appended to `rng`)."""
+def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False) -> dict[str, Leaf]:
+    """The reference's leaves by our path."""
     leaves = {}
     for path, entry in doc.items():
         try:
             key = leaf_path(path)
         except ValueError as err:
             raise BadInput(f"{where}: leaf {err}") from None
-        if nnx:
-            key = linen_path(key)
-            if key is None:
-                if rng is not None:
-                    rng.append(path)
-                continue
         if key in leaves:
             raise BadInput(f"{where}: leaf {path!r} reads as {key!r}, the path of an earlier leaf")
         try:
@@ -135,15 +98,13 @@ def reference_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: boo
     return leaves
 
 
-def our_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False,
-               sizes: dict[str, int] | None = None) -> dict[str, Leaf]:
-    """Our leaves by path; with `sizes` (the mesh), their specs without size-1 mesh axes."""
+def our_leaves(doc: dict[str, Any], spec_key: str, where: Path, exact: bool = False) -> dict[str, Leaf]:
+    """Our leaves by path."""
     leaves = {}
     for path, entry in doc.get("tensors", {}).items():
         try:
             shape = tuple(int(d) for d in entry["shape"])
-            spec = entry[spec_key] if sizes is None else without_size_one(spec_to_json(entry[spec_key], len(shape)), sizes)
-            leaves[path] = (shape, entry_text(spec, len(shape), exact))
+            leaves[path] = (shape, entry_text(entry[spec_key], len(shape), exact))
         except (KeyError, TypeError, ValueError):
             raise BadInput(f"{where}: tensor {path!r} has no readable shape/{spec_key}") from None
     return leaves
@@ -162,8 +123,9 @@ def show(leaf: Leaf | None) -> str:
 
 
 def params_first(path: str) -> tuple[bool, str]:
-    """Parameters before optimizer slots: the parameter is what a reader looks for."""
-    return (not path.startswith("params/"), path)
+    """Parameters (a Linen state's `params/`, an NNX state's `model/`) before optimizer slots: the parameter is
+    what a reader looks for."""
+    return (not path.startswith(("params/", "model/")), path)
 
 
 def compare_leaves(label: str, ref: dict[str, Leaf], ours: dict[str, Leaf]) -> list[str]:
@@ -191,8 +153,8 @@ def compare_leaves(label: str, ref: dict[str, Leaf], ours: dict[str, Leaf]) -> l
     return [head] + lines
 
 
-def compare(reference: Path, ours: Path, nnx: bool = False) -> tuple[bool, str]:
-    """(everything matches, report text); `nnx`: the reference is a dump of MaxText's NNX build."""
+def compare(reference: Path, ours: Path) -> tuple[bool, str]:
+    """(everything matches, report text)."""
     for folder in (reference, ours):
         if not folder.is_dir():
             raise BadInput(f"{folder}: no such case folder")
@@ -207,16 +169,12 @@ def compare(reference: Path, ours: Path, nnx: bool = False) -> tuple[bool, str]:
         report.append(f"mesh differs: reference {ref_mesh}  ours {our_mesh}")
     else:
         report.append("mesh: " + " ".join(f"{n}={s}" for n, s in our_mesh))
-    rng: list[str] = []
-    lines = compare_leaves(NAMED, reference_leaves(ref_named, "partition_spec", reference / NAMED, nnx=nnx, rng=rng),
-                           our_leaves(our_named, "partition_spec", ours / NAMED, sizes=dict(our_mesh) if nnx else None))
+    lines = compare_leaves(NAMED, reference_leaves(ref_named, "partition_spec", reference / NAMED),
+                           our_leaves(our_named, "partition_spec", ours / NAMED))
     ok &= len(lines) == 1
     report += lines
-    if nnx:
-        report.append(f"NNX build: {len(rng)} RNG-state leaves of the reference (no leaf of the Linen build); "
-                      f"its logical file is not compared (it holds mesh specs)")
     ref_logical, our_logical = read_json(reference, LOGICAL, required=False), read_json(ours, LOGICAL, required=False)
-    if ref_logical is not None and our_logical is not None and not nnx:
+    if ref_logical is not None and our_logical is not None:
         lines = compare_leaves(LOGICAL, reference_leaves(ref_logical, "partition_spec", reference / LOGICAL, True),
                                our_leaves(our_logical, "logical_axes", ours / LOGICAL, True))
         ok &= len(lines) == 1
@@ -229,10 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reference", type=Path, help="a MaxText reference case folder")
     parser.add_argument("ours", type=Path, help="our golden folder of the same case")
-    parser.add_argument("--nnx", action="store_true", help="the reference is a dump of MaxText's NNX build")
     args = parser.parse_args(argv)
     try:
-        ok, text = compare(args.reference, args.ours, args.nnx)
+        ok, text = compare(args.reference, args.ours)
     except BadInput as err:
         print(f"compare_maxtext: error: {err}", file=sys.stderr)
         return 2

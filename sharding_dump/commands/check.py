@@ -194,7 +194,7 @@ def _fold(per_tensor: dict[str, tuple[Any, ...]]) -> list[tuple[str, tuple[Any, 
     out = []
     for name, (finding, slots) in diff.fold_slots(per_tensor).items():
         out.append((name + (f" (and {', '.join(slots)})" if slots else ""), finding))
-    return sorted(out, key=lambda item: (not item[0].startswith("params/"), item[0]))
+    return sorted(out, key=lambda item: (item[0].split("/", 1)[0] not in specs.PARAMETER_PARTS, item[0]))
 
 
 def check_divisibility(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]:
@@ -311,7 +311,7 @@ def check_placement(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Findi
     ruled = {name for name, _ in rule_set.logical_axis_rules}
     unruled: dict[str, list[TensorLayout]] = {}
     for t in layouts:
-        if t.group == "params":
+        if t.group in specs.PARAMETER_PARTS:
             for name in dict.fromkeys(n for n in t.logical_axes[:len(t.shape)] if n is not None and n not in ruled):
                 unruled.setdefault(name, []).append(t)
     for name, tensors in sorted(unruled.items()):
@@ -334,7 +334,7 @@ def check_replicated(setup: CaseSetup, layouts: list[TensorLayout], tolerance: f
     sizes = setup.plan.sizes
     if not any(size > 1 for size in sizes.values()):
         return []
-    params = [t for t in layouts if t.group == "params"]
+    params = [t for t in layouts if t.group in specs.PARAMETER_PARTS]
     whole = [t for t in params if not any(sizes[a] > 1 for d in range(len(t.shape)) for a in t.axes(d))]
     total = sum(_global_bytes(t) for t in params)
     replicated = sum(_global_bytes(t) for t in whole)
@@ -357,12 +357,12 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
     if hbm is None:
         return []
     totals = per_device_totals(layouts)
-    used = totals.get("params", 0) + totals.get("opt_state", 0)
+    used = sum(totals.get(part, 0) for part in specs.PARAMETER_PARTS + specs.OPTIMIZER_PARTS)
     if used <= hbm:
         return []
-    by_param = {t.path: t.per_device_bytes for t in layouts if t.group == "params"}  # with its optimizer slots
+    by_param = {t.path: t.per_device_bytes for t in layouts if t.group in specs.PARAMETER_PARTS}  # with its optimizer slots
     for t in layouts:
-        mirror = diff.slot_parameter(t.path, by_param) if t.group == "opt_state" else None
+        mirror = diff.slot_parameter(t.path, by_param) if t.group in specs.OPTIMIZER_PARTS else None
         if mirror:
             by_param[mirror[0]] += t.per_device_bytes
     layout_of = {t.path: t for t in layouts}
@@ -371,8 +371,8 @@ def check_memory(setup: CaseSetup, layouts: list[TensorLayout]) -> list[Finding]
     rest = ordered[TOP_TENSORS:]
     return [Finding(
         "memory", "params + optimizer state per device",
-        f"params {format_bytes(totals.get('params', 0))} + optimizer state "
-        f"{format_bytes(totals.get('opt_state', 0))} = {format_bytes(used)} per device, above the "
+        f"params {format_bytes(sum(totals.get(p, 0) for p in specs.PARAMETER_PARTS))} + optimizer state "
+        f"{format_bytes(sum(totals.get(p, 0) for p in specs.OPTIMIZER_PARTS))} = {format_bytes(used)} per device, above the "
         f"{format_bytes(hbm)} HBM of one {setup.topology.chip} device ({used / hbm:.0%}); largest per device:",
         _tensor_details(setup.rule_set, listed, len(rest), sum(by_param[p] for p in rest), "parameters"))]
 

@@ -183,7 +183,7 @@ def tensor_layouts(state: Any, mesh: Any, rules: Any, transform: SpecTransform |
     path_rules = path_rules_of(rules)
     boxed = sorted(((path_text(k), leaf) for k, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_box)),
                    key=lambda item: item[0])
-    prefix = "params/" if isinstance(state, Mapping) and "params" in state else ""
+    prefix = next((f"{k}/" for k in specs.PARAMETER_PARTS if isinstance(state, Mapping) and k in state), "")
     placed: dict[str, tuple[LogicalAxes, tuple | None, str]] = {}  # parameter key -> (logical, mesh spec, source)
 
     def own(path: str, leaf: Any) -> tuple[LogicalAxes, tuple | None, str]:
@@ -242,8 +242,9 @@ def typed_layouts(state: Any, sizes: Mapping[str, int], rules: Any = None) -> li
         sharding = getattr(array, "sharding", None)
         spec = sharding.spec if sharding is not None else PartitionSpec()
         path = path_text(key_path)
-        parameter = leaf.parameter if isinstance(leaf, Slot) else path[len("params/"):] if \
-            path.startswith("params/") else None
+        part = path.split("/", 1)[0]
+        parameter = leaf.parameter if isinstance(leaf, Slot) else path[len(part) + 1:] if \
+            part in specs.PARAMETER_PARTS else None
         source = source_of(leaf) if any(n is not None for n in logical) else \
             "none" if not any(e is not None for e in spec) else \
             "regex" if parameter and match_path_rule(path_rules, parameter) is not None else "type"

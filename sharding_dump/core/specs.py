@@ -127,7 +127,12 @@ def match_path_rule(path_rules: Sequence[PathRule], path: str) -> int | None:
 # sharding dump: `"/".join(str(key) for key in path)`) writes the same elements in jax's key syntax:
 # `.attribute`, `['key']`, `[index]`.
 _PATH_ELEMENT = re.compile(r"""\.(?P<attr>[A-Za-z_]\w*)|\[(?P<index>-?\d+)\]|\[(?P<q>['"])(?P<key>.*?)(?P=q)\]""")
+# The parts of a train state that hold the parameters and the optimizer: a Linen TrainState's `params` and
+# `opt_state`, an NNX one's `model` (its parameters and other variables) and `optimizer` (`opt_state`, `step`).
+PARAMETER_PARTS = ("params", "model")
+OPTIMIZER_PARTS = ("opt_state", "optimizer")
 COLLECTION = "params"  # a linen model's variable collection, which the goldens' paths do not repeat
+VARIABLE_VALUE = "value"  # an NNX variable's (and a flax box's) value attribute: no level of a path
 
 
 def leaf_path(key_text: str) -> str:
@@ -135,12 +140,15 @@ def leaf_path(key_text: str) -> str:
 
     Each element is written by its name; a dict key `params` right under an attribute (`TrainState.params`,
     an optimizer slot such as `.mu`) is a linen variable collection holding the modules, not a module,
-    and is no level of the path. Raises ValueError naming the element that is not jax's key syntax.
+    and is no level of the path; nor is a last `.value`, an NNX variable's value (as a flax box's value
+    is none: tree.path_text). Raises ValueError naming the element that is not jax's key syntax.
 
     >>> leaf_path(".opt_state/[0]/.mu/['params']/['decoder']/['pipeline_module']/['layers']/['mlp']")
     'opt_state/0/mu/decoder/pipeline_module/layers/mlp'
     >>> leaf_path(".step"), leaf_path("['params']/['params']/['dense']")  # under a dict key it is a level
     ('step', 'params/params/dense')
+    >>> leaf_path("['optimizer']/['opt_state']/[0]/['mu']/['decoder']/['scale']/.value")  # MaxText's NNX state
+    'optimizer/opt_state/0/mu/decoder/scale'
     """
     if key_text.endswith("/"):
         raise ValueError(f"{key_text!r}: ends with '/' (no element after it)")
@@ -152,7 +160,8 @@ def leaf_path(key_text: str) -> str:
         if match is None or (match.end() < len(key_text) and key_text[match.end()] != "/"):
             raise ValueError(f"{key_text!r}: element at character {at} is not a jax key (.name, ['key'] or [index])")
         name = match.group("attr") or match.group("index") or match.group("key")
-        if not (under_attribute and match.group("key") == COLLECTION):
+        variable_value = match.group("attr") == VARIABLE_VALUE and match.end() == len(key_text) and names
+        if not (under_attribute and match.group("key") == COLLECTION) and not variable_value:
             names.append(name)
         under_attribute = match.group("attr") is not None
         at = match.end() + 1

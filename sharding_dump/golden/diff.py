@@ -104,11 +104,14 @@ def slot_parameter(name: str, known: Container[str]) -> tuple[str, str] | None:
 
     >>> slot_parameter("opt_state/0/v_row/x/y", {"params/x/y", "params/y"})
     ('params/x/y', 'opt_state/0/v_row')
+    >>> slot_parameter("optimizer/opt_state/0/mu/x/y", {"model/x/y"})  # an NNX state's
+    ('model/x/y', 'optimizer/opt_state/0/mu')
     """
     parts = name.split("/")
-    if parts[0] == "opt_state":
+    if parts[0] in specs.OPTIMIZER_PARTS:
+        owner = specs.PARAMETER_PARTS[specs.OPTIMIZER_PARTS.index(parts[0])]
         for start in range(1, len(parts)):
-            mirror = "params/" + "/".join(parts[start:])
+            mirror = f"{owner}/" + "/".join(parts[start:])
             if mirror in known:
                 return mirror, "/".join(parts[:start])
         return None

@@ -31,7 +31,7 @@ from sharding_dump.errors import BadInput
 from sharding_dump.golden import sizes
 
 ACTIVATIONS = "activations"
-ORDER = ("params", "opt_state", ACTIVATIONS)  # then any other part, by name
+ORDER = ("params", "model", "opt_state", "optimizer", ACTIVATIONS)  # then any other part, by name (NNX: model, optimizer)
 TOTAL = "total"  # the named document's sum of the state's parts (activations not in it)
 
 Memory = dict[str, tuple["int | None", "int | None"]]  # part -> (bytes before, bytes after) per device
@@ -48,7 +48,8 @@ def entry_bytes(entry: Mapping[str, Any] | None) -> int | None:
 
 
 def ordered(parts: Any) -> list[str]:
-    """Part names in report order: params, opt_state, activations, then the others by name."""
+    """Part names in report order: params (NNX: model), opt_state (optimizer), activations, then the others by
+    name."""
     return sorted(parts, key=lambda p: (ORDER.index(p) if p in ORDER else len(ORDER), p))
 
 

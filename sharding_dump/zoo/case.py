@@ -52,6 +52,7 @@ class Case:
         parse_model_ref(model)
         topology.load_topology(topology_name, num_slices)
         parsed = settings.parse_overrides(overrides or {})
+        releases.nnx_build(dict(parsed))  # MaxText's build keys: refused where that MaxText refuses them
         # The default release needs no mention: its cases keep the folder names they had before releases.
         parsed = tuple((k, v) for k, v in parsed if (k, v) != (releases.SETTING, settings.value_of({}, releases.SETTING)))
         rules.rule_path(rule, releases.release_of(dict(parsed)).rules_dir)

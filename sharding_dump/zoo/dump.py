@@ -115,7 +115,8 @@ def setup_case(case: Case) -> CaseSetup:
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
                                    sparse_matmul=values["sparse_matmul"], segment_ids=releases.nnx_build(values),
                                    **case.release.model)
-        releases.check_model(case.release, config.name, config.routed_bias)
+        releases.check_build(case.release, releases.nnx_build(values), values["shard_optimizer_over_data"],
+                             config.decoder_block, plan.sizes.get("tensor", 1))
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:
@@ -292,20 +293,40 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
     if serving.serves(case):  # weights, KV cache and decode state, as init placed them
         return setup, list(serving.traced_of(setup).layouts)
     if setup.explicit and setup.config is not None:
-        return setup, state.explicit_tensor_layouts(setup.config, setup.plan, setup.rule_set, over_data,
-                                                    setup.optimizer, setup.pipeline)
+        traced = state.explicit_state(setup.config, setup.plan, setup.rule_set, over_data, setup.optimizer,
+                                      setup.pipeline)
+        return setup, state.typed_state_layouts(maxtext_state(setup, traced), setup.plan)
     if _own_init(setup):  # what the program placed itself, then the rules
         return setup, _own_layouts(setup)
     boxed = layout_view(setup, abstract_state_of(setup))
     if setup.explicit:
         return setup, typed_layouts(boxed, setup.plan.sizes, setup.rule_set)
-    return setup, state.tensor_layouts(boxed, setup.plan, setup.rule_set, over_data)
+    return setup, state.tensor_layouts(maxtext_state(setup, boxed), setup.plan, setup.rule_set, over_data)
+
+
+def maxtext_state(setup: CaseSetup, boxed: Any) -> Any:
+    """A card's boxed state as the MaxText build the case's settings choose lays it out: the Linen
+    build's {'params', 'opt_state', 'step'} as it is, the NNX build's (releases.nnx_build) assembled by
+    state.nnx_state with the RNG state of the modules data/maxtext_releases.yml names for its decoder
+    block. A user's own model is no MaxText build: as it is."""
+    if setup.config is None or not releases.nnx_build(setup.values):
+        return boxed
+    rel = setup.case.release
+    bias_state = setup.config.routed_bias and rel.bias_is_state(setup.config.name)
+    return state.nnx_state(boxed, state.rng_modules(boxed["params"], rel.rng_modules(setup.config.decoder_block)),
+                           rel.rng_streams, bias_state, _opt_state_without_bias(boxed["params"], setup.optimizer)
+                           if bias_state else None)
+
+
+def _opt_state_without_bias(params: Any, tx: Any) -> Any:
+    """The optimizer state over the parameters but the routed biases (state.model_state_bias)."""
+    return abstract_train_state(state.model_state_bias(params), tx)["opt_state"]
 
 
 def _uneven_params_first(layouts: list[TensorLayout]) -> list[tuple[TensorLayout, int]]:
     """The (leaf, dimension) pairs that split unevenly, parameters before optimizer slots (the one
     worth naming first)."""
-    return sorted(indivisible(layouts), key=lambda item: not item[0].path.startswith("params/"))
+    return sorted(indivisible(layouts), key=lambda item: item[0].group not in specs.PARAMETER_PARTS)
 
 
 def warn_uneven(setup: CaseSetup, layouts: list[TensorLayout]) -> None:

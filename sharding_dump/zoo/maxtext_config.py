@@ -587,6 +587,8 @@ def _settings(composed: Composed, table: KeyTable) -> dict[str, Any]:
     from sharding_dump.zoo import settings
 
     out = {}
+    # MaxText's sharding dump leaves its build keys out of the folder name (tests/utils/sharding_dump.py)
+    unnamed = {key for rel in releases.releases().values() for key in rel.nnx_keys}
     for key in (k for k, kind in table.kind.items() if kind == "settings"):
         if key not in composed.values:
             continue
@@ -594,7 +596,7 @@ def _settings(composed: Composed, table: KeyTable) -> dict[str, Any]:
             ((_, value),) = settings.parse_overrides({key: composed.values[key]})
         except BadInput as err:
             raise BadInput(f"{composed.origins.get(key, 'MaxText configuration')}: {err}") from None
-        if key in composed.explicit or not same(value, settings.value_of({}, key)):
+        if (key in composed.explicit and key not in unnamed) or not same(value, settings.value_of({}, key)):
             out[key] = value
     return out
 
@@ -654,10 +656,11 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
     try:
         card, _ = cards.resolve_model(model_ref)
         config = cards.load_config(model_ref, **release.model)
-        releases.check_model(release, config.name, config.routed_bias)
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
-    releases.check_build(release, any(composed.values.get(key) is True for key in release.nnx_keys),
+    releases.check_build(release, releases.nnx_build({releases.SETTING: release.version,
+                                                      **{k: composed.values[k] for k in release.nnx_keys
+                                                         if k in composed.values}}),
                          composed.values.get("shard_optimizer_over_data") is True, config.decoder_block,
                          _tensor_parallelism(composed.values), f"{composed.origins.get('model_name', COMMAND_LINE)}: ")
     _check_refused(composed, table, config)
@@ -717,11 +720,13 @@ def layout_neutral(assignments: Mapping[str, str], model: str | None = None) -> 
     problems = []
     for key, value in assignments.items():
         kind = table.kind.get(key)
-        if kind is None or kind == "settings":
-            continue  # a setting of the zoo's, or unknown: the settings say
+        if kind is None:
+            continue  # unknown: the settings say
         if key not in keys:
             problems.append((key, f"{key}={value}: not a key of MaxText {release.version} ({releases.SETTING}="
                                   f"{release.version}; {_display(releases.RELEASES_FILE)})"))
+        elif kind == "settings":
+            continue  # a setting of the zoo's
         elif kind in CASE_KEYS:
             problems.append((key, f"{key}={value}: {CASE_KEYS[kind]}"))
         elif kind == "refuse" and not same(parse_command_line([f"{key}={value}"])[key], table.refuse[key].supported):
@@ -729,7 +734,8 @@ def layout_neutral(assignments: Mapping[str, str], model: str | None = None) -> 
             problems.append((key, f"{key}={value}: not supported: {refusal.why} (the zoo builds "
                                   f"{key}={_text(refusal.supported)})"))
     _refused(problems)
-    nnx = any(parse_command_line([f"{k}={assignments[k]}"])[k] is True for k in release.nnx_keys if k in assignments)
+    nnx = releases.nnx_build({releases.SETTING: release.version,
+                              **parse_command_line([f"{k}={assignments[k]}" for k in release.nnx_keys if k in assignments])})
     if nnx:
         given = parse_command_line([f"{k}={v}" for k, v in assignments.items() if table.kind.get(k) == "settings"])
         block = None

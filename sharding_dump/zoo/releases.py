@@ -41,8 +41,18 @@ class Release:
     models_missing: Mapping[str, str]
     builds: tuple[str, ...]
     written: str
-    nnx_keys: tuple[str, ...]  # MaxText keys choosing its NNX build (any true), where it has two builds
+    nnx_keys: tuple[str, ...]  # MaxText keys choosing between its two builds, where it has two
+    choose: Mapping[str, Mapping[str, bool]]  # build -> the values of the keys that choose it
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
+    rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
+    rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
+
+    def rng_modules(self, block: str) -> tuple[str, ...]:
+        """The module patterns of decoder `block` that keep RNG state in the release's NNX build."""
+        if block not in self.rngs:
+            raise BadInput(f"decoder block {block!r}: which of its modules keep RNG state in MaxText {self.version}'s "
+                           f"NNX build is not known ({RELEASES_FILE.name} builds/nnx_state/rngs)")
+        return self.rngs[block]
 
     def bias_is_state(self, model_name: str) -> bool:
         """True when the release keeps the routed `gate/bias` of `model_name` as model state, not a
@@ -65,7 +75,9 @@ def releases() -> dict[str, Release]:
                                tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
                                tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
-                               tuple(raw["builds"]["nnx_keys"]), tuple(raw["builds"]["nnx_differs"]))
+                               tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
+                               tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
+                               {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()})
     return out
 
 
@@ -121,6 +133,34 @@ def missing_model(name: str) -> str | None:
     return None
 
 
+def nnx_build(values: Mapping[str, Any]) -> bool:
+    """Whether MaxText builds its NNX state for a case's settings (`values`, setting -> value), as MaxText
+    honours `pure_nnx`, `enable_nnx` and `pure_nnx_decoder`: a release with one build has it (0.2.5: NNX;
+    it has none of those keys, so any of them given is refused, as its configuration refuses an unknown
+    key); e591f30 builds what data/maxtext_releases.yml `choose` says for the values (its base.yml
+    defaults: NNX), and a mix that bridges one build's modules into the other's state is refused. (A key
+    given at its default to 0.2.5 is refused by the command line as any key 0.2.5 lacks.)"""
+    from sharding_dump.zoo.settings import format_value, value_of
+
+    rel = release_of(values)
+    if not rel.choose:  # a key at its default is no choice (resolved settings hold every key)
+        given = [key for other in releases().values() for key in other.nnx_keys
+                 if key in values and values[key] != value_of({}, key)]
+        if given:
+            raise BadInput(f"{given[0]}={format_value(values[given[0]])}: not a key of MaxText {rel.version} (it "
+                           f"builds only its {'/'.join(rel.builds).upper()} state; give no {given[0]})")
+        return "nnx" in rel.builds
+    for build, flags in rel.choose.items():
+        if all(value_of(values, key) is flag for key, flag in flags.items()):
+            return build == "nnx"
+    keys = sorted(rel.nnx_keys, key=lambda key: value_of(values, key) == value_of({}, key))  # the ones given first
+    shown_values = " ".join(f"{key}={format_value(value_of(values, key))}" for key in keys)
+    raise BadInput(f"{shown_values}: MaxText {rel.version} bridges one build's modules into the other's state "
+                   f"with this mix, which sharding-dump does not build; give "
+                   + " or ".join(" ".join(f"{k}={format_value(v)}" for k, v in flags.items())
+                                 + f" ({build})" for build, flags in rel.choose.items()))
+
+
 def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, tensor: int = 1,
                 where: str = "") -> None:
     """BadInput when the MaxText keys ask for the release's NNX build (`nnx`) of a case that build places
@@ -136,16 +176,8 @@ def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, 
         else:
             continue
         raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build ({'/'.join(rel.nnx_keys)} true): "
-                       f"{case['why']}; sharding-dump writes the Linen build: give "
+                       f"{case['why']}, which sharding-dump does not build; give its Linen build: "
                        f"{' '.join(f'{k}=false' for k in rel.nnx_keys)}")
-
-
-def check_model(rel: Release, model_name: str, routed_bias: bool) -> None:
-    """BadInput for a model the release builds otherwise than the zoo can (its routed bias as model state)."""
-    if routed_bias and rel.bias_is_state(model_name):
-        raise BadInput(f"model {model_name!r}: MaxText {rel.version} keeps its routed gate/bias as model state, not a "
-                       f"parameter (no optimizer moments, the layer axis first), which the zoo does not build; give "
-                       f"{SETTING}=0.2.4")
 
 
 FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it

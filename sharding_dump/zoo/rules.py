@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Container, Iterable, Mapping, Sequence
 
+from sharding_dump.core import specs
 from sharding_dump.core.boundary import bounded_regexes, bounded_search
 from sharding_dump.core.format import ACTIVATIONS_FILE, LOGICAL_FILE, NAMED_FILE
 from sharding_dump.core.specs import PathRule, entry_axes, match_path_rule, rule_axes
@@ -277,7 +278,11 @@ def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) ->
 
 # A state leaf as the lints below read it, from a golden document or a layout: path, shape, logical axes.
 Leaf = tuple[str, Sequence[int], Sequence[Any]]
-PARAMS = "params/"
+def parameter(path: str) -> str | None:
+    """A parameter leaf's path inside the parameters (a Linen state's `params/`, an NNX state's `model/`), None for
+    any other leaf."""
+    part, _, rest = path.partition("/")
+    return rest if part in specs.PARAMETER_PARTS and rest else None
 
 
 def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Container[str] = ()) -> list[str]:
@@ -285,8 +290,8 @@ def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Conta
     matches and that the program did not place itself (`placed`: their paths): each is whole on every
     device, and nothing in the model or the rule file says so."""
     return [path for path, shape, logical in leaves
-            if path.startswith(PARAMS) and math.prod(shape) > 1 and all(name is None for name in logical)
-            and path not in placed and match_path_rule(rule_set.partition_rules, path[len(PARAMS):]) is None]
+            if parameter(path) is not None and math.prod(shape) > 1 and all(name is None for name in logical)
+            and path not in placed and match_path_rule(rule_set.partition_rules, parameter(path)) is None]
 
 
 def unplaced_state(leaves: Iterable[Leaf], none: Container[str], unplaced: Container[str] = ()) -> list[str]:
@@ -295,14 +300,14 @@ def unplaced_state(leaves: Iterable[Leaf], none: Container[str], unplaced: Conta
     a weight they follow), each whole on every device; an optimizer slot of an `unplaced` parameter is
     left to that parameter's line."""
     return [path for path, shape, _ in leaves
-            if not path.startswith(PARAMS) and math.prod(shape) > 1 and path in none
+            if parameter(path) is None and math.prod(shape) > 1 and path in none
             and slot_parameter(path, unplaced) is None]
 
 
 def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[PathRule]:
     """Partition rules whose regex is found in no parameter path of the model (a typo, or a rule file
     written for another model)."""
-    paths = [path[len(PARAMS):] for path, _, _ in leaves if path.startswith(PARAMS)]
+    paths = [parameter(path) for path, _, _ in leaves if parameter(path) is not None]
     with bounded_regexes() as search:
         return [rule for rule in rule_set.partition_rules
                 if not any(search(rule.pattern, p, f"partition rule {rule.where}") for p in paths)]
@@ -311,7 +316,7 @@ def unmatched_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list
 def shadowed_partition_rules(rule_set: RuleSet, leaves: Iterable[Leaf]) -> list[tuple[PathRule, PathRule, str]]:
     """(rule, the earlier rule that wins, a path) for every partition rule whose regex matches some
     parameter path, none of which it places: an earlier rule matches each first (first match wins)."""
-    paths = [path[len(PARAMS):] for path, _, _ in leaves if path.startswith(PARAMS)]
+    paths = [parameter(path) for path, _, _ in leaves if parameter(path) is not None]
     rules_ = rule_set.partition_rules
     winner = {path: match_path_rule(rules_, path) for path in paths}
     out = []
@@ -328,7 +333,7 @@ def rank_mismatches(leaves: Iterable[Leaf]) -> list[tuple[str, int, int]]:
     are more or fewer than its dimensions (flax resolves them anyway: the extra names are dropped, the missing
     dimensions left whole)."""
     return [(path, len(logical), len(shape)) for path, shape, logical in leaves
-            if path.startswith(PARAMS) and logical and len(logical) != len(shape)]
+            if parameter(path) is not None and logical and len(logical) != len(shape)]
 
 
 def _examples(paths: Sequence[str], limit: int = 3) -> str:

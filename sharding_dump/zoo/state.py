@@ -5,7 +5,7 @@ anything; every optimizer leaf takes the logical axes it derives from its parame
 (:mod:`sharding_dump.core.optimizer`). Two ways to get each leaf's physical layout on the case's mesh:
 
 * auto (:func:`tensor_layouts`): the logical axes resolved by the rules;
-* explicit (:func:`explicit_tensor_layouts`): the state traced again on an Explicit-axis mesh, the
+* explicit (:func:`typed_state_layouts`): the state traced again on an Explicit-axis mesh, the
   parameters placed by the rules, everything else left to JAX's sharding-in-types, and each leaf's
   sharding read from the traced output.
 
@@ -21,6 +21,8 @@ With ZeRO-1 (`shard_optimizer_over_data`), the optimizer state is also split ove
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import math
 from typing import Any, Mapping, Sequence
 
@@ -31,6 +33,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump import models
+from sharding_dump.core import specs
 from sharding_dump.core.layout import PartitionRuleError, TensorLayout, resolve, typed_layouts
 from sharding_dump.core.layout import tensor_layouts as core_tensor_layouts
 from sharding_dump.core.optimizer import Slot
@@ -41,7 +44,7 @@ from sharding_dump.core.state import (
     as_model,
     default_optimizer,
 )
-from sharding_dump.core.tree import is_box, unbox
+from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.errors import BadInput
 from sharding_dump.models.pipeline import PipelineConfig
 from sharding_dump.zoo import cards, rules
@@ -65,9 +68,135 @@ def abstract_state(cfg: models.ModelConfig, tx: optax.GradientTransformation | N
 
 
 def is_optimizer_leaf(path: str) -> bool:
-    """True for a leaf of the optimizer state (`opt_state/...`): what ZeRO-1 splits over `data`, as
-    MaxText adds `data` to every optimizer leaf (a scalar has no dimension to add it to)."""
-    return path.startswith("opt_state/")
+    """True for a leaf of the optimizer state (`opt_state/...`; NNX: `optimizer/...`): what ZeRO-1 splits
+    over `data`, as MaxText adds `data` to every optimizer leaf (a scalar has no dimension to add it to)."""
+    return path.startswith(("opt_state/", NNX_OPTIMIZER + "/"))
+
+
+# MaxText's NNX state (common/train_state_nnx.py TrainStateNNX): the model's variables under `model` (its
+# parameters by the same names as the Linen build's, beside the RNG state of the modules that keep an
+# nnx.Rngs), nnx.Optimizer's `opt_state` and `step` under `optimizer`.
+NNX_MODEL, NNX_OPTIMIZER, NNX_RNGS = "model", "optimizer", "rngs"
+# The logical axes of a stacked layer dimension (the zoo's scans and pipeline stacks, sharding_dump/models),
+# outermost first (a pipeline's repeats hold its stages, which hold a stage's layers; a scanned block holds
+# its inner scan): a module's RNG state is stacked over the same scans, in that order.
+STACK_AXES = ("circular_repeats", "layers", "dense_layers", "moe_layers", "layers_per_stage", "local_layers")
+
+
+def _module_paths(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Every module (nested dict) of a parameter tree by its path, root included."""
+    out = {prefix: params}
+    for name, sub in params.items():
+        if isinstance(sub, Mapping):
+            out.update(_module_paths(sub, prefix + (name,)))
+    return out
+
+
+def _stack_order(dim: tuple[int, str | None]) -> int:
+    return STACK_AXES.index(dim[1]) if dim[1] in STACK_AXES else len(STACK_AXES)
+
+
+def _stack_shape(module: Mapping[str, Any]) -> tuple[int, ...]:
+    """The scan lengths a module's variables are stacked over: the sizes of the stacked-layer dimensions
+    every boxed parameter of it has (a module outside any scan has parameters with none)."""
+    stacks = [tuple(size for size, name in sorted(zip(leaf.value.shape, leaf.names), key=_stack_order)
+                    if name in STACK_AXES) for leaf in jax.tree.leaves(module, is_leaf=is_box) if is_box(leaf) and leaf.names]
+    return min(stacks, key=len, default=())
+
+
+def rng_modules(params: Mapping[str, Any], patterns: Sequence[str]) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{module path: stack shape} of the modules whose MaxText NNX class keeps an nnx.Rngs: each pattern
+    (data/maxtext_releases.yml, `/`-separated, `*` for one name) names modules of the parameter tree, or a
+    module without parameters (a Dropout) inside one that has them, stacked as that module is."""
+    modules = _module_paths(params)
+
+    def matching(parts: tuple[str, ...]) -> list[tuple[str, ...]]:
+        return [path for path in modules if len(path) == len(parts)
+                and all(fnmatch.fnmatchcase(n, p) for n, p in zip(path, parts))]
+
+    out = {}
+    for pattern in patterns:
+        parts = tuple(pattern.split("/"))
+        found = matching(parts)
+        for path in found:
+            out[path] = _stack_shape(modules[path])
+        if not found and "*" not in parts[-1]:
+            for parent in matching(parts[:-1]):
+                out.setdefault(parent + parts[-1:], _stack_shape(modules[parent]))
+    return dict(sorted(out.items()))
+
+
+def rng_paths(state: Mapping[str, Any]) -> list[str]:
+    """The path of every RNG-state leaf of an NNX state (:func:`nnx_state`)."""
+    return [f"{NNX_MODEL}/{path}" for path in (path_text(k) for k, _ in
+                                               jax.tree_util.tree_leaves_with_path(state[NNX_MODEL], is_leaf=is_box))
+            if NNX_RNGS in path.split("/")]
+
+
+def rng_state(stack: tuple[int, ...], streams: Sequence[str]) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """One module's nnx.Rngs as its state holds it: per stream a `count` (uint32) and a typed `key`,
+    stacked over `stack`, never placed (MaxText replicates them)."""
+    key = abstract_key()
+    return {stream: {"count": jax.ShapeDtypeStruct(stack, jnp.uint32),
+                     "key": jax.ShapeDtypeStruct(stack + key.shape, key.dtype)} for stream in streams}
+
+
+def _copy(tree: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copy(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
+
+
+ROUTED_BIAS = "gate/bias"  # a router's per-expert bias (sharding_dump/models/moe.py Router)
+
+
+def routed_biases(params: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The path of every router's bias in a parameter tree."""
+    *parent, leaf = ROUTED_BIAS.split("/")
+    return [path + (leaf,) for path, module in _module_paths(params).items()
+            if path[-len(parent):] == tuple(parent) and leaf in module]
+
+
+def model_state_bias(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters without their routed biases, which MaxText 0.2.5 keeps as model state of DeepSeek3 and
+    Kimi (moe.py MoEBiasVar: no nnx.Param, so nnx.Optimizer keeps no moments of it): the tree the
+    optimizer is initialised over."""
+    out = _copy(params)
+    for path in routed_biases(params):
+        node = out
+        for name in path[:-1]:
+            node = node[name]
+        del node[path[-1]]
+    return out
+
+
+def _layer_first(box: nn.Partitioned) -> nn.Partitioned:
+    """A stacked variable that is no nnx.Param, as an NNX scan stacks it: its stacked-layer dimensions first."""
+    order = sorted(range(len(box.names)), key=lambda i: _stack_order((0, box.names[i])))
+    value = jax.ShapeDtypeStruct(tuple(box.value.shape[i] for i in order), box.value.dtype)
+    return box.replace(value=value, names=tuple(box.names[i] for i in order))
+
+
+def nnx_state(state: Mapping[str, Any], rngs: Mapping[tuple[str, ...], tuple[int, ...]],
+              streams: Sequence[str], bias_state: bool = False, opt_state: Any = None) -> dict[str, Any]:
+    """MaxText's NNX state of the zoo's boxed state {'params', 'opt_state', 'step'}: {'model': the
+    parameters with the RNG state of each module of `rngs` ({path: stack shape}), 'optimizer':
+    {'opt_state', 'step'}}. The same parameter and optimizer leaves (the optimizer's slots still name
+    their parameter), so every placement is the rules' as before. `bias_state`: the routed biases are
+    model state, stacked layer first, and `opt_state` the optimizer's over the other parameters
+    (:func:`model_state_bias`)."""
+    model = _copy(state["params"])
+    if bias_state:
+        for path in routed_biases(model):
+            node = model
+            for name in path[:-1]:
+                node = node[name]
+            node[path[-1]] = _layer_first(node[path[-1]])
+    for path, stack in rngs.items():
+        node = model
+        for name in path:
+            node = node.setdefault(name, {})
+        node[NNX_RNGS] = rng_state(stack, streams)
+    return {NNX_MODEL: model, NNX_OPTIMIZER: {"opt_state": state["opt_state"] if opt_state is None else opt_state,
+                                              "step": state["step"]}}
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:
@@ -94,20 +223,35 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) 
     return spec
 
 
+def without_size_one(spec: PartitionSpec, ndim: int, sizes: Mapping[str, int]) -> PartitionSpec:
+    """`spec` without its size-1 mesh axes, as MaxText's NNX build writes every spec of its state
+    (sharding.remove_size_one_mesh_axis)."""
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in specs.spec_to_json(spec, ndim, sizes)))
+
+
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
                    optimizer_over_data: bool = False,
                    declared: Mapping[str, PartitionSpec] | None = None) -> list[TensorLayout]:
     """Every leaf's logical axes resolved to a NamedSharding on the plan's abstract mesh (the
     optimizer state also over `data` with `optimizer_over_data`); a leaf the program placed itself
-    (`declared`, {path: spec}: a user's own init) keeps that spec."""
+    (`declared`, {path: spec}: a user's own init) keeps that spec. MaxText's NNX state (:func:`nnx_state`)
+    has its specs without size-1 mesh axes, and ZeRO-1 adds `data` to those (add_data_to_sharding runs
+    after the size-1 axes are gone, so a size-1 `tensor` no longer keeps `data` off its dimension)."""
     sizes = plan.sizes
+    nnx = isinstance(state, Mapping) and NNX_OPTIMIZER in state
+    if nnx:  # MaxText places its RNG state itself, replicated
+        declared = {**(declared or {}), **{path: PartitionSpec() for path in rng_paths(state)}}
 
-    def zero1(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
-        return over_data(spec, shape, sizes) if is_optimizer_leaf(path) else spec
+    def transform(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
+        if nnx:
+            spec = without_size_one(spec, len(shape), sizes)
+        if optimizer_over_data and is_optimizer_leaf(path):
+            spec = over_data(spec, shape, sizes)
+        return spec
 
     try:
-        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set, zero1 if optimizer_over_data else None,
-                                   declared)
+        return core_tensor_layouts(state, plan.abstract_mesh(), rule_set,
+                                   transform if nnx or optimizer_over_data else None, declared)
     except PartitionRuleError as err:  # a rule file's partition rule that does not fit the model
         raise BadInput(str(err)) from None
 
@@ -149,10 +293,12 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
         return jax.eval_shape(init, key)
 
 
-def explicit_tensor_layouts(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
-                            optimizer_over_data: bool = False,
-                            tx: optax.GradientTransformation | None = None,
-                            pipeline: PipelineConfig | None = None) -> list[TensorLayout]:
-    """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs
-    (a scalar JAX leaves unannotated is replicated)."""
-    return typed_layouts(explicit_state(cfg, plan, rule_set, optimizer_over_data, tx, pipeline), plan.sizes)
+def typed_state_layouts(traced: dict[str, Any], plan: MeshPlan) -> list[TensorLayout]:
+    """Explicit mode: every leaf's PartitionSpec as read from :func:`explicit_state`'s outputs (a scalar
+    JAX leaves unannotated is replicated); MaxText's NNX state (:func:`nnx_state`) without size-1 mesh axes."""
+    layouts = typed_layouts(traced, plan.sizes)
+    if not (isinstance(traced, Mapping) and NNX_OPTIMIZER in traced):
+        return layouts
+    rngs = set(rng_paths(traced))  # placed by MaxText itself, replicated
+    return [dataclasses.replace(t, partition_spec=without_size_one(t.partition_spec, len(t.shape), plan.sizes),
+                                source="type" if t.path in rngs else t.source) for t in layouts]

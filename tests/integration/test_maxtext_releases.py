@@ -1,11 +1,10 @@
-"""The zoo built as a later MaxText release (`maxtext_version`) against that release's own dumps.
+"""The zoo built as MaxText's NNX build (`maxtext_version`, `pure_nnx`) against MaxText's own dumps of it.
 
-MaxText 0.2.5 has only its NNX build; sharding-dump writes the Linen build's layout, so its dumps
-(`tests/data/maxtext/releases/<version>/`, source and licence in tests/data/maxtext/README.md) are read
-by `tools/compare_maxtext.py --nnx`: every parameter and optimizer leaf by path, shape and placement
-(size-1 mesh axes aside, as the NNX build writes specs), its RNG-state leaves counted apart. A missing
-reference fails, it is not skipped. Their activation records (and those of e591f30's NNX build of a
-pipeline, `releases/0.2.4/`) are found among ours by name.
+`tests/data/maxtext/releases/<version>/` (source and licence in tests/data/maxtext/README.md) holds dumps of
+MaxText 0.2.5 (its only build) and of e591f30's NNX build (`0.2.4`, base.yml's default). They compare with
+our goldens of the same cases by path, with no table (`tools/compare_maxtext.py`): every parameter,
+optimizer and RNG-state leaf's shape and placement. A missing reference fails, it is not skipped.
+Their activation records (a pipeline's too) are found among ours by name.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 
 RELEASES = REPO / "tests" / "data" / "maxtext" / "releases"
+NNX = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # e591f30's base.yml: its NNX build
 # (version, model, topology, rule, overrides): MaxText's dump of each is kept under our case's folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),
@@ -28,6 +28,13 @@ CASES = [
     ("0.2.5", "gpt-oss-20b", "tpu7x-16", "default", {}),
     ("0.2.5", "gpt3-6b", "tpu7x-16", "default", {}),
     ("0.2.5", "gemma4-26b", "tpu7x-16", "default", {}),
+    ("0.2.5", "deepseek3.2-671b", "tpu7x-16", "default", {}),  # routed gate/bias as model state
+    ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", NNX),
+    ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {**NNX, "ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
+    ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", NNX),
+    ("0.2.4", "gemma4-26b", "tpu7x-16", "default", {**NNX, "ici_tensor_parallelism": 2, "ici_expert_parallelism": 4}),
+    ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", NNX),
+    ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", NNX),
 ]
 
 
@@ -43,19 +50,19 @@ def test_every_reference_of_a_release_is_a_case_here():
 
 
 @pytest.mark.parametrize("entry", CASES, ids=lambda c: f"{c[0]}:{case_of(*c).label}")
-def test_release_case_matches_maxtexts_nnx_dump(entry, tmp_path):
+def test_release_case_matches_maxtexts_nnx_dump_by_path(entry, tmp_path):
     case = case_of(*entry)
     check_or_update(case, tmp_path, update=True)
-    ok, report = compare_maxtext_tool()["compare"](golden_dir(case, RELEASES / entry[0]), golden_dir(case, tmp_path),
-                                                   nnx=True)
+    ok, report = compare_maxtext_tool()["compare"](golden_dir(case, RELEASES / entry[0]), golden_dir(case, tmp_path))
     assert ok, report
+    assert " 0 differ, 0 only in reference, 0 only in ours; (shape, spec) multiset remainder 0 + 0" in report
 
 
 # Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline, as
 # 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
 PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
-ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE), ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE),
-                   ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {})]
+ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
+                   ("0.2.4", "llama2-7b", "v5p-8", "default", {**PIPELINE, **NNX})]
 # MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
 # site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
 # records its stages' own constraints at the stage's shape (36 records, 14 checked).
@@ -90,30 +97,18 @@ def test_release_activations_match_ours_by_name(kept, tmp_path):
     assert result.ok and result.checked == CHECKED[entry[1], entry[3]], result.report(case.label)
 
 
-def test_nnx_paths_read_as_the_linen_builds():
-    tool = compare_maxtext_tool()
-    assert tool["linen_path"]("model/decoder/layers/mlp/wi_0/kernel/value") == "params/decoder/layers/mlp/wi_0/kernel"
-    assert tool["linen_path"]("optimizer/opt_state/0/mu/token_embedder/embedding/value") == \
-        "opt_state/0/mu/token_embedder/embedding"
-    assert tool["linen_path"]("optimizer/step/value") == "step"
-    assert tool["linen_path"]("model/decoder/layers/self_attention/rngs/params/key/value") is None
-    assert tool["without_size_one"]([["fsdp", "expert"], "tensor", None], {"fsdp": 4, "expert": 1, "tensor": 1}) == \
-        ["fsdp", None, None]
-
-
 def test_the_previous_release_differs_from_maxtext_025s_dump(tmp_path, capsys):
-    """The comparison bites: deepseek2-16b as 0.2.4 builds it (attention kernels on `embed`, its router on
+    """The comparison bites: deepseek2-16b as 0.2.4's NNX build builds it (attention kernels on `embed`, its router on
     `embed_moe`, both split over fsdp by fsdp-as-dp-for-attn's `embed` and `embed_moe` rules, given as a
     file since 0.2.4 has no rule of that name) is not MaxText 0.2.5's."""
     entry = next(c for c in CASES if c[1] == "deepseek2-16b" and c[3] == "fsdp-as-dp-for-attn")
     case = case_of(*entry)
-    old = Case.make(entry[1], entry[2], str(case.rule_set().path))
+    old = Case.make(entry[1], entry[2], str(case.rule_set().path), overrides={"maxtext_version": "0.2.4", **NNX})
     check_or_update(old, tmp_path, update=True)
-    ok, report = compare_maxtext_tool()["compare"](golden_dir(case, RELEASES / entry[0]), golden_dir(old, tmp_path),
-                                                   nnx=True)
+    ok, report = compare_maxtext_tool()["compare"](golden_dir(case, RELEASES / entry[0]), golden_dir(old, tmp_path))
     assert not ok
     assert "84 match by path" not in report and "21 differ" in report  # 7 kernels, their mu and nu
-    assert "params/decoder/dense_layers/self_attention/query/kernel\n      reference shape [2048,1,16,192] spec " \
+    assert "model/decoder/dense_layers/self_attention/query/kernel\n      reference shape [2048,1,16,192] spec " \
            "[null,null,null,null]\n      ours      shape [2048,1,16,192] spec [\"fsdp\",null,null,null]" in report
-    assert "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel\n      reference shape [2048,26,64] " \
+    assert "model/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel\n      reference shape [2048,26,64] " \
            "spec [null,null,null]\n      ours      shape [2048,26,64] spec [\"fsdp\",null,null]" in report

@@ -124,14 +124,18 @@ def test_maxtexts_defaults_are_never_refused(version):
 
 def test_run_config_with_kernel_keys_dumps_the_committed_golden(tmp_path, capsys):
     """The run's kernel tiling, data, logging and checkpointing keys, plus one more on the command
-    line, give the golden of `--model llama2-7b --topology v5p-16 --rule default`, byte for byte."""
-    out = tmp_path / "g"
+    line, give the golden of `--model llama2-7b --topology v5p-16 --rule default` of e591f30 (the release
+    whose base.yml the run composes, and its NNX build, base.yml's default), byte for byte."""
+    out, model = tmp_path / "g", tmp_path / "m"
     status = cli.main(["--maxtext-config", str(RUN), "sa_block_q=256", "sa_block_kv_dkv=2048", "--golden-dir", str(out)])
     assert status == 0, capsys.readouterr().err
-    case = Case.make("llama2-7b", "v5p-16", "default")
-    assert tree_bytes(golden_dir(case, out)) == tree_bytes(golden_dir(case, REPO / "golden"))
+    nnx = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # base.yml's: MaxText's NNX build
+    case = Case.make("llama2-7b", "v5p-16", "default", overrides=nnx)
+    assert cli.main(["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default",
+                     *(f"{k}=true" for k in nnx), "--golden-dir", str(model)]) == 0, capsys.readouterr().err
+    assert tree_bytes(golden_dir(case, out)) == tree_bytes(golden_dir(case, model))
     assert [p.relative_to(out).as_posix() for p in out.glob("*/*/*/*")] == \
-        ["llama2-7b/v5p-16/slice_1/rule_default"]
+        [golden_dir(case, out).relative_to(out).as_posix()]
 
 
 def test_opt_type_is_honoured(tmp_path, capsys):
@@ -139,8 +143,8 @@ def test_opt_type_is_honoured(tmp_path, capsys):
     out = tmp_path / "g"
     assert cli.main(["--maxtext-config", str(RUN), "opt_type=sgd", "--golden-dir", str(out)]) == 0, capsys.readouterr().err
     (named,) = out.rglob("named_shardings.json")
-    assert named.parent.name == "rule_default_opt_type=sgd"
-    assert [p for p in json.loads(named.read_text())["tensors"] if p.startswith("opt_state/")] == ["opt_state/1/count"]
+    assert named.parent.name == "rule_default_enable_nnx=true_pure_nnx_decoder=true_pure_nnx=true_opt_type=sgd"
+    assert [p for p in json.loads(named.read_text())["tensors"] if "opt_state/" in p] == ["optimizer/opt_state/1/count"]
 
 
 @pytest.mark.parametrize("command_line,key,why", [
@@ -237,9 +241,10 @@ def test_every_card_composes_from_maxtexts_model_config(card):
     """base.yml + models/<card>.yml, as MaxText composes them, is the card (every layout-relevant key
     equal) under MaxText's base rules merged with the model config's; the run settings the model config
     sets beside the model (MaxText's GPT-3 configs: adam_pax, two of them on 1024 tokens) are the card's
-    `settings`."""
+    `settings`; base.yml's build keys choose MaxText's NNX build."""
     case = read(f"model_name={card}", config=BASE, topology="v5p-16")
-    assert case == Case.make(card, "v5p-16", "default", overrides=cards.card_settings(card))
+    nnx = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # base.yml's: MaxText's NNX build
+    assert case == Case.make(card, "v5p-16", "default", overrides={**cards.card_settings(card), **nnx})
 
 
 @pytest.mark.parametrize("card", sweep_beyond_first(cards.model_names(), lambda name: cards.load_config(name).decoder_block))
@@ -262,15 +267,17 @@ def test_a_configuration_of_two_releases_is_refused():
         read("model_name=qwen3-0.6b", "use_m3_model=false", config=BASE, topology="v5p-16")
 
 
-def test_zero1_with_e591f30s_nnx_build_is_refused_and_its_linen_build_taken():
-    """base.yml of e591f30 asks for the NNX build, which places ZeRO-1's moments otherwise: refused, and
-    taken with the three keys false (the Linen build, as MaxText's own sharding tests run it)."""
+def test_e591f30s_nnx_build_is_taken_and_its_linen_build_by_the_three_keys():
+    """base.yml of e591f30 asks for the NNX build (ZeRO-1 included, placed as that build places it); the three
+    keys false give the Linen build, as MaxText's own sharding tests run it. qwen3.5 with tensor parallelism,
+    whose decoder_norm that NNX build leaves without axes, is refused there."""
+    from sharding_dump.zoo import releases
+
     zero1 = ["model_name=llama2-7b", "ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "shard_optimizer_over_data=true"]
-    with pytest.raises(BadInput, match=r"the command line: shard_optimizer_over_data=true with "
-                                       r"MaxText 0.2.4's NNX build"):
-        read(*zero1, config=BASE, topology="v5p-16")
+    nnx = read(*zero1, config=BASE, topology="v5p-16")
+    assert releases.nnx_build(dict(nnx.overrides)) and dict(nnx.overrides)["shard_optimizer_over_data"] is True
     linen = read(*zero1, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
-    assert dict(linen.overrides)["shard_optimizer_over_data"] is True
+    assert not releases.nnx_build(dict(linen.overrides)) and dict(linen.overrides)["shard_optimizer_over_data"] is True
     tensor = ["model_name=qwen3.5-35b-a3b", "ici_fsdp_parallelism=-1", "ici_tensor_parallelism=2"]
     with pytest.raises(BadInput, match=r"decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX"):
         read(*tensor, config=BASE, topology="v5p-16")
@@ -305,9 +312,11 @@ def test_a_card_that_drifts_from_maxtext_is_refused(tmp_path):
 
 @pytest.mark.parametrize("case", [c for c in load_matrix() if c.model == "deepseek2-16b"], ids=lambda c: c.label)
 def test_maxtexts_reference_cases_are_the_matrix_cases(case):
-    """MaxText's own dump of deepseek2-16b names its cases by custom_mesh_and_rule and the command line;
-    composed from MaxText's configs, each is the matrix case of the same golden folder."""
-    command_line = [f"model_name={case.model}"] + [f"{k}={settings.format_value(v)}" for k, v in case.overrides]
+    """MaxText's own dump of deepseek2-16b names its cases by custom_mesh_and_rule and the command line
+    (its Linen build's three keys false, which it leaves out of the name); composed from MaxText's configs,
+    each is the matrix case of the same golden folder."""
+    command_line = [f"model_name={case.model}", "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false"] + \
+        [f"{k}={settings.format_value(v)}" for k, v in case.overrides]
     if case.rule != "default":
         command_line.append(f"custom_mesh_and_rule={case.rule}")
     assert read(*command_line, config=BASE, topology=case.topology, num_slices=case.num_slices) == case
@@ -349,17 +358,23 @@ def test_rules_merge_by_logical_name_and_a_change_is_refused():
         read("model_name=qwen3-0.6b", "override_logical_axis_rules=true", "logical_axis_rules=[[embed, []]]")
 
 
+NNX = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # e591f30's base.yml: MaxText's NNX build
+
+
 def test_settings_name_the_case_as_maxtexts_dumps_do():
     """Honoured settings that differ from the default name the case, and so does any given on the
-    command line (MaxText's explicit keys), even at its default."""
-    assert read("ici_tensor_parallelism=2").name == "rule_default_ici_tensor_parallelism=2"
-    assert read("ici_fsdp_parallelism=-1").name == "rule_default_ici_fsdp_parallelism=-1"
-    assert read().name == "rule_default"  # the run file sets ici_fsdp_parallelism: -1, the default
+    command line (MaxText's explicit keys), even at its default; base.yml's build keys choose its NNX build."""
+    nnx = "_enable_nnx=true_pure_nnx_decoder=true_pure_nnx=true"
+    assert read("ici_tensor_parallelism=2").name == "rule_default_ici_tensor_parallelism=2" + nnx
+    assert read("ici_fsdp_parallelism=-1").name == "rule_default_ici_fsdp_parallelism=-1" + nnx
+    assert read().name == "rule_default" + nnx  # the run file sets ici_fsdp_parallelism: -1, the default
+    linen = ("pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false")  # MaxText's sharding tests' own
+    assert read("ici_tensor_parallelism=2", *linen).name == "rule_default_ici_tensor_parallelism=2"
 
 
 def test_environment_overrides_as_in_maxtext():
     environ = {"M_PER_DEVICE_BATCH_SIZE": "4", "MAXTEXT_CONFIGS_DIR": str(CONFIGS)}
-    assert dict(read(environ=environ).overrides) == {"per_device_batch_size": 4}
+    assert dict(read(environ=environ).overrides) == {"per_device_batch_size": 4, **NNX}
     with pytest.raises(BadInput, match="per_device_batch_size: set by the command line and by the environment "
                                        "variable M_PER_DEVICE_BATCH_SIZE"):
         read("per_device_batch_size=2", environ=environ)
@@ -405,7 +420,7 @@ def test_case_file_entry_with_a_maxtext_config(tmp_path):
     cases = tmp_path / "cases.yml"
     cases.write_text(f"cases:\n  - {{maxtext_config: {RUN}, overrides: {{ici_tensor_parallelism: 2, sa_block_q: 256}}}}\n")
     assert load_matrix(cases) == [Case.make("llama2-7b", "v5p-16", "default",
-                                            overrides={"ici_tensor_parallelism": 2})]
+                                            overrides={"ici_tensor_parallelism": 2, **NNX})]
     cases.write_text(f"cases:\n  - {{maxtext_config: {RUN}, overrides: {{quantization: int8}}}}\n")
     with pytest.raises(BadInput, match=r"case matrix .*cases.yml: field cases/0: overrides: quantization: 'int8' is not"):
         load_matrix(cases)

@@ -264,7 +264,7 @@ def test_explicit_mode_places_optimizer_leaves_as_auto_mode_does(tmp_path, monke
 
     explicit = named("explicit")
     assert explicit == named("auto")
-    kept = "opt_state/0/v_row/" if "adafactor" in optimizer else "opt_state/"
+    kept = "optimizer/opt_state/0/v_row/" if "adafactor" in optimizer else "optimizer/opt_state/"  # 0.2.5: NNX
     assert explicit[kept + "decoder/layers/mlp/wi_0/kernel"]["partition_spec"][0] is not None
 
 

@@ -78,8 +78,6 @@ BAD = [
     ("--model qwen3-0.6b --rule fsdp-as-dp-for-attn",
      "unknown rule 'fsdp-as-dp-for-attn' (a rule of MaxText 0.2.5: give maxtext_version=0.2.5)"),
     ("--model qwen3-0.6b maxtext_version=0.2.3", "maxtext_version='0.2.3': must be one of 0.2.4, 0.2.5"),
-    ("--model deepseek3-test maxtext_version=0.2.5",
-     "model 'deepseek3-test': MaxText 0.2.5 keeps its routed gate/bias as model state, not a parameter"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 pure_nnx=false", "pure_nnx=false: not a key of MaxText 0.2.5"),
     ("--model qwen3-0.6b use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
     ("--model qwen3-0.6b base_emb_dim=1024", "base_emb_dim=1024: a hyperparameter of the model: a --model case "
@@ -91,12 +89,9 @@ BAD = [
      "over tensor (4 shards); size those axes to divide 2"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 use_lineage=true", "use_lineage=true: not supported: another "
                                                                   "implementation of the model"),
-    ("--model qwen3-0.6b ici_data_parallelism=2 shard_optimizer_over_data=true pure_nnx=true",
-     "shard_optimizer_over_data=true with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/pure_nnx true): "
-     "its NNX build adds ZeRO-1's data axis to another dimension"),
-    ("--model qwen3.5-35b-a3b ici_fsdp_parallelism=-1 ici_tensor_parallelism=2 pure_nnx=true",
+    ("--model qwen3.5-35b-a3b ici_fsdp_parallelism=-1 ici_tensor_parallelism=2 pure_nnx=true pure_nnx_decoder=true",
      "decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/"
-     "pure_nnx true): its NNX build gives qwen3.5's decoder_norm no logical axes"),
+     "pure_nnx true): its NNX build gives the decoder_norm of qwen3.5 and qwen3-next no logical axes"),
 ]
 
 
@@ -114,9 +109,11 @@ def test_what_a_release_lacks_is_one_line(tmp_path, capsys, args, message):
 
 
 def logical(model: str, rule: str = "default", **overrides) -> dict[str, list]:
+    """The logical axes of every parameter (NNX build: `model/`, RNG state aside)."""
     case = Case.make(model, "tpu7x-16", rule, overrides=overrides)
-    return {path: leaf["logical_axes"] for path, leaf in dump_case(case)["logical_shardings.json"]["tensors"].items()
-            if path.startswith("params/")}
+    return {path.split("/", 1)[1]: leaf["logical_axes"]
+            for path, leaf in dump_case(case)["logical_shardings.json"]["tensors"].items()
+            if path.startswith(("params/", "model/")) and "/rngs/" not in path}
 
 
 def test_release_025_names_every_attention_kernel_embed_attn():
@@ -125,14 +122,14 @@ def test_release_025_names_every_attention_kernel_embed_attn():
     old, new = logical("qwen3-0.6b"), logical("qwen3-0.6b", maxtext_version="0.2.5")
     assert old.keys() == new.keys()
     changed = {path for path in old if old[path] != new[path]}
-    assert changed == {f"params/decoder/layers/self_attention/{k}/kernel" for k in ("query", "key", "value", "out")}
+    assert changed == {f"decoder/layers/self_attention/{k}/kernel" for k in ("query", "key", "value", "out")}
     for path in changed:
         assert [a if a != "embed" else "embed_attn" for a in old[path]] == new[path]
 
 
 def test_release_025_names_the_router_of_routed_and_shared_experts_embed_router():
     old, new = logical("deepseek2-16b"), logical("deepseek2-16b", maxtext_version="0.2.5")
-    gate = "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel"
+    gate = "decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel"
     assert old[gate] == ["embed_moe", "moe_layers", None] and new[gate] == ["embed_router", "moe_layers", None]
 
 
@@ -203,3 +200,49 @@ def test_maxtext_025s_own_base_yml_and_model_config_dump_the_model_case(tmp_path
     for name in files:
         assert (folder / name).read_bytes() == (golden_dir(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={
             "maxtext_version": "0.2.5"}), theirs) / name).read_bytes()
+
+
+NNX_BUILD = [  # (settings, MaxText's build) as e591f30's train_compile.py / models.py read its three keys
+    ({"pure_nnx": True, "enable_nnx": True, "pure_nnx_decoder": True}, True),  # base.yml: all three true
+    ({"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": False}, False),  # MaxText's own sharding tests
+    ({}, False),  # the zoo's defaults: those
+    ({"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": True}, False),  # the Linen Transformer never reads it
+    ({"pure_nnx": True, "pure_nnx_decoder": True}, True),  # the NNX state never reads enable_nnx
+    ({"maxtext_version": "0.2.5"}, True),  # 0.2.5 has only its NNX build
+]
+
+
+@pytest.mark.parametrize("values,nnx", NNX_BUILD, ids=[str(v) for v, _ in NNX_BUILD])
+def test_nnx_build_is_the_build_maxtext_chooses_for_its_keys(values, nnx):
+    assert releases.nnx_build(values) is nnx
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"enable_nnx": True}, "enable_nnx=true pure_nnx_decoder=false pure_nnx=false: MaxText 0.2.4 bridges one build's "
+                           "modules into the other's state"),
+    ({"pure_nnx": True}, "pure_nnx=true enable_nnx=false pure_nnx_decoder=false: MaxText 0.2.4 bridges"),
+    ({"maxtext_version": "0.2.5", "enable_nnx": True}, "enable_nnx=true: not a key of MaxText 0.2.5"),
+])
+def test_nnx_build_refuses_a_mix_and_keys_a_release_lacks(values, message):
+    with pytest.raises(BadInput, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        releases.nnx_build(values)
+
+
+def test_a_modules_rng_state_is_flax_nnx_rngs_state():
+    """The RNG leaves the NNX build's state holds per module are nnx.Rngs's state of MaxText's streams
+    (count and typed key per stream), stacked over the scans of the module."""
+    import jax
+    from flax import nnx
+
+    from sharding_dump.zoo import state
+
+    def shapes(tree):
+        return jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
+
+    streams = releases.release("0.2.5").rng_streams
+    theirs = jax.eval_shape(lambda k: nnx.to_pure_dict(nnx.state(nnx.Rngs(**{s: k for s in streams}))),
+                            jax.random.key(0))
+    assert shapes(state.rng_state((), streams)) == shapes(theirs)
+    stacked = jax.eval_shape(jax.vmap(lambda k: nnx.to_pure_dict(nnx.state(nnx.Rngs(**{s: k for s in streams})))),
+                             jax.ShapeDtypeStruct((28,), jax.random.key(0).dtype))
+    assert shapes(state.rng_state((28,), streams)) == shapes(stacked)
