@@ -21,6 +21,8 @@ from sharding_dump.zoo.settings import parse_overrides, resolve
 from sharding_dump.zoo.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
+# The settings that choose MaxText e591f30's NNX build (its base.yml's values), as a case gives them.
+NNX = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}
 
 # A repository adopting sharding-dump (tests/integration/test_adopt.py, test_wheel.py): [tool.sharding-dump]
 # of its pyproject.toml, two rule files with mesh axes of its own naming, and its case file.

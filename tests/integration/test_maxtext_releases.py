@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import REPO, compare_maxtext_tool
+from helpers import NNX, REPO, compare_maxtext_tool
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 
 RELEASES = REPO / "tests" / "data" / "maxtext" / "releases"
-NNX = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # e591f30's base.yml: its NNX build
 # (version, model, topology, rule, overrides): MaxText's dump of each is kept under our case's folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO
+from helpers import NNX, REPO
 from sharding_dump.core import capture as activations
 from sharding_dump.core.capture import constrain
 from sharding_dump.core.layout import resolve
@@ -34,7 +34,7 @@ def trace(case: Case):
 
 @pytest.fixture(scope="module")
 def qwen_trace():
-    return trace(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"ici_tensor_parallelism": 4}))
+    return trace(Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"ici_tensor_parallelism": 4, **NNX}))
 
 
 def test_every_constraint_of_the_step_is_named(qwen_trace):
@@ -234,7 +234,9 @@ def test_the_linen_build_keeps_its_activation_records_byte_for_byte(case, monkey
 def test_the_nnx_build_records_a_stage_at_its_own_shape():
     """MaxText's NNX build records a pipeline stage's constraints as the stage function placed them, the
     vmap's stage dimension left out; the stage buffers keep it (their logical axes name it)."""
-    tensors = json.loads(render_case(LINEN_CASES[1])["activation_shardings.json"])["tensors"]
+    case = LINEN_CASES[1]
+    nnx = Case.make(case.model, case.topology, case.rule, overrides={**dict(case.overrides), **NNX})
+    tensors = json.loads(render_case(nnx)["activation_shardings.json"])["tensors"]
     stage = tensors["forward/decoder/pipeline_module/layers/self_attention/query"]
     assert stage["shape"] == [6, 2048, 32, 128] and stage["partition_spec"][0] == ["data", "fsdp", "fsdp_transpose",
                                                                                       "expert"]

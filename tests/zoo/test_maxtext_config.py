@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO, sweep_beyond_first, tree_bytes
+from helpers import NNX, REPO, sweep_beyond_first, tree_bytes
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
 from sharding_dump.models.config import BUILD_FIELDS, NUMERICS, RELEASE_FIELDS, ModelConfig
@@ -358,7 +358,6 @@ def test_rules_merge_by_logical_name_and_a_change_is_refused():
         read("model_name=qwen3-0.6b", "override_logical_axis_rules=true", "logical_axis_rules=[[embed, []]]")
 
 
-NNX = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # e591f30's base.yml: MaxText's NNX build
 
 
 def test_settings_name_the_case_as_maxtexts_dumps_do():

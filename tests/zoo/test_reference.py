@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import NNX, REPO
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import codec
 from sharding_dump.zoo import reference
@@ -88,7 +88,19 @@ def test_tool_compares_trees_and_exits_by_result(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("compare_reference: error: ") and "no such file" in bad.stderr
 
 
-def test_by_name_a_record_is_matched_only_by_ours_of_its_call_sites_names(ours):
+@pytest.fixture(scope="module")
+def ours_nnx():
+    """The activation records of CASE in MaxText's NNX build (segment ids in every attention)."""
+    from sharding_dump.zoo.case import Case
+    from sharding_dump.zoo.dump import render_case
+
+    model, topology = CASE.split("/")[:2]
+    case = Case.make(model, topology, "default", overrides={"ici_fsdp_parallelism": -1, "ici_tensor_parallelism": 8, **NNX})
+    assert case.label.replace("_enable_nnx=true_pure_nnx_decoder=true_pure_nnx=true", "") == CASE
+    return json.loads(render_case(case)["activation_shardings.json"])
+
+
+def test_by_name_a_record_is_matched_only_by_ours_of_its_call_sites_names(ours_nnx):
     """With the call-site table, `attentions/query` must be ours named `query`: another name (one the table
     is mutated to) does not do; a call site the table lacks is a mismatch, MaxText's
     `Unknown` is matched on layout alone, and a named record of unknown axes (`decoder_segment_ids`) on its
@@ -105,19 +117,19 @@ def test_by_name_a_record_is_matched_only_by_ours_of_its_call_sites_names(ours):
         {"pipeline/inputs: key<urbg>[16,2]": {"logic_axes": "Unknown", "PartitionSpec": "P(UNCONSTRAINED, 'stage')"}},
     ]
     sites = reference.call_sites()
-    result = reference.compare(reference.parse_reference(entries, "ref"), ours, sites)
+    result = reference.compare(reference.parse_reference(entries, "ref"), ours_nnx, sites)
     assert (result.checked, result.unknown) == (5, 2)
     assert result.mismatches == [
         "attentions/no_such_variable: bfloat16[24576, 2048, 32, 128] logical ['activation_kv_batch', "
         "'activation_length_attn', 'activation_kv_heads', 'activation_kv_head_dim']: MaxText call site "
         "'attentions/no_such_variable' has no zoo names in maxtext_call_sites.yml"]
     renamed = {**sites, "attentions/query": ("attention_out",)}  # the table names another constraint
-    result = reference.compare(reference.parse_reference(entries[:1], "ref"), ours, renamed)
+    result = reference.compare(reference.parse_reference(entries[:1], "ref"), ours_nnx, renamed)
     assert result.mismatches == [
         "attentions/query: bfloat16[24576, 2048, 32, 128] logical ['activation_kv_batch', 'activation_length_attn', "
         "'activation_kv_heads', 'activation_kv_head_dim']: no activation named attention_out with this shape, dtype "
         "and logical axes"]
-    assert reference.compare(reference.parse_reference(entries[:1], "ref"), ours).ok  # on layout alone it passes
+    assert reference.compare(reference.parse_reference(entries[:1], "ref"), ours_nnx).ok  # on layout alone it passes
 
 
 def test_the_call_site_table_is_checked_against_its_schema(tmp_path, monkeypatch):
