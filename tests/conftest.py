@@ -35,15 +35,31 @@ def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """`pytest -n N` schedules by group (xdist's loadgroup) rather than test by test, so that the tests
-    of one case (below) run in one worker, which traces the case's step once for all of them."""
+    of one case (below) run in one worker, which traces the case's step once for all of them. A worker
+    reads the mode from its own command line (where `-n N` alone says `load`): the controller hands it
+    over (:func:`pytest_configure_node`), else the workers name no group and each traces every case."""
     if getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadgroup"
+    worker = getattr(config, "workerinput", None)
+    if worker is not None and worker.get(LOADGROUP):
+        config.option.loadgroup = True
+
+
+LOADGROUP = "sharding_dump_loadgroup"  # the workerinput key that tells a worker to name its tests' groups
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: object) -> None:
+    """(xdist, in the controller) Each worker learns that the run schedules by group."""
+    node.workerinput[LOADGROUP] = node.config.option.dist == "loadgroup"  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test of one case of the matrix (its golden test, and any test parametrized by the Case)
-    joins the case's xdist group (before xdist reads the groups)."""
+    joins the case's xdist group; any other test that uses a module-scoped fixture of its test module
+    (a program dumped in a subprocess, a rule edit dumped once) joins that fixture's group, so the
+    fixture is built once per run rather than once per worker (before xdist reads the groups)."""
     from sharding_dump.zoo.case import Case
 
     for item in items:
@@ -52,6 +68,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             case = next((value for value in item.callspec.params.values() if isinstance(value, Case)), None)
         if isinstance(case, Case):
             item.add_marker(pytest.mark.xdist_group(case.label))
+        elif shared := _shared_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_group_ids(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """(xdist worker, after xdist's own hook) Each grouped test's id ends in `@group`, which the
+    controller's loadgroup scheduler reads. xdist 3.8 writes the suffix to `item._nodeid`, which pytest
+    9.2's structured ids no longer read (pytest-xdist issue #1386): the id is set here where it did not
+    take, so the groups above hold on the pinned stack as on the oldest."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest before 9.2: xdist's suffix took
+        return
+    for item in items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        if names and not item.nodeid.endswith("@" + "_".join(names)):
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """`module:fixture` of each fixture wider than a test that `item` uses and its own test module defines."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return sorted(f"{d[-1].baseid}:{name}" for name in getattr(item, "fixturenames", ())
+                  if (d := defs.get(name)) and d[-1].scope != "function" and d[-1].baseid.endswith(".py"))
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -258,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = shown_before
         if guard.stream is not None:  # after a failed write, stdout stays /dev/null to the end
             sys.stdout = stdout
+        if whole_process:  # the process ends next: its exit then skips the full collections over the heap
+            gc.freeze()    # that jax and the traced models built (0.3 s CPU of a 1.4 s one-case dump)
 
 
 if __name__ == "__main__":

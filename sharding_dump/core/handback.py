@@ -246,21 +246,33 @@ def demanded(closed: ClosedJaxpr, indices: Iterable[int], skip: str | None = Non
     An input first used in a computation is taken as it comes: a reshard deep in the model (of the
     tokens before an embedding gather) is the model's work, not a layout the program demands."""
     found = {}
+    uses: dict[int, dict[int, tuple[Any, int]]] = {}
     for index in indices:
-        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip, placements)
+        spec = _first_placement(closed.jaxpr, closed.jaxpr.invars[index], skip, placements, uses)
         if spec is not None:
             found[index] = spec
     return found
 
 
-def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None, placements: bool) -> PartitionSpec | None:
-    eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.invars)), None)
-    if eqn is None:
+def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None, placements: bool,
+                     uses: dict[int, dict[int, tuple[Any, int]]]) -> PartitionSpec | None:
+    """The spec the first equation to use `var` places it on (see :func:`demanded`). `uses` holds each
+    jaxpr's first use of every variable, by id, built once: a state of thousands of leaves is read in
+    one pass over the step, not one pass per leaf."""
+    if id(jaxpr) not in uses:
+        first: dict[int, tuple[Any, int]] = {}
+        for eqn in jaxpr.eqns:
+            for i, v in enumerate(eqn.invars):
+                first.setdefault(id(v), (eqn, i))
+        uses[id(jaxpr)] = first
+    found = uses[id(jaxpr)].get(id(var))
+    if found is None:
         return None
-    name, at = eqn.primitive.name, next(i for i, v in enumerate(eqn.invars) if v is var)
+    eqn, at = found
+    name = eqn.primitive.name
     if name in _PLACING or name == "device_put":
         if skip is not None and skip in str(eqn.source_info.name_stack):
-            return _first_placement(jaxpr, eqn.outvars[at], skip, placements)
+            return _first_placement(jaxpr, eqn.outvars[at], skip, placements, uses)
         sharding = eqn.params[_PLACING[name]] if name in _PLACING else eqn.params["devices"][at]
         return _given(sharding) if placements else None
     if name in _JIT:
@@ -268,7 +280,7 @@ def _first_placement(jaxpr: Jaxpr, var: Any, skip: str | None, placements: bool)
         if spec is not None:
             return spec
         inner = eqn.params["jaxpr"].jaxpr
-        return _first_placement(inner, inner.invars[at], skip, placements)
+        return _first_placement(inner, inner.invars[at], skip, placements, uses)
     return None
 
 

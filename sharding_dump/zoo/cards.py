@@ -137,7 +137,23 @@ def block_class(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+@functools.cache
+def _shipped_block(name: str) -> Block | None:
+    """Decoder block `name` of this package as :func:`_shipped_blocks` holds it, with only its own
+    family module imported (None: not found that way)."""
+    from sharding_dump.models import family_of
+
+    family = family_of(name)
+    if family is None:
+        return None
+    return _declared_by(Block(name, f"{family.__module__}:{family.__qualname__}", None), family)
+
+
 def _block(name: str, where: str) -> Block:
+    if all(ep.name != name for ep in _entry_points(FAMILY_GROUP)):  # no installed family claims the name
+        shipped = _shipped_block(name)
+        if shipped is not None:
+            return shipped
     blocks = decoder_blocks()
     if name not in blocks:
         raise BadInput(f"{where}: field decoder_block: {name!r} is not a decoder block: valid blocks are "

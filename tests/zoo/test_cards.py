@@ -345,3 +345,11 @@ def test_breaking_a_rule_line_fails_the_new_case(tmp_path, case):
     outcome = check_or_update(broken, REPO / "golden", update=False)
     assert outcome.status == "differs"
     assert "params/decoder/layers/self_attention/query/kernel" in outcome.report
+
+
+def test_a_block_found_by_its_own_module_is_the_registrys():
+    """A card's block is looked up by importing only the family module whose source names it; for every
+    shipped block that gives the class, module and fields the full registry (every module imported) holds."""
+    full = cards._shipped_blocks()
+    assert {name: cards._shipped_block(name) for name in full} == full
+    assert models.family_of("no-such-block") is None
