@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable
@@ -12,8 +15,10 @@ from typing import Any, Callable, Hashable, Iterable
 import pytest
 
 from sharding_dump.commands import cli
+from sharding_dump.errors import BadInput
 from sharding_dump.golden import codec
 from sharding_dump.zoo.case import Case, golden_dir
+from sharding_dump.zoo.goldens import check_or_update
 from sharding_dump.zoo.matrix import load_matrix
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
 from sharding_dump.zoo.rules import load_rule
@@ -21,8 +26,12 @@ from sharding_dump.zoo.settings import parse_overrides, resolve
 from sharding_dump.zoo.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
-# The settings that choose MaxText e591f30's NNX build (its base.yml's values), as a case gives them.
-NNX = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}
+# The settings that choose MaxText e591f30's NNX build, as a case gives them: the release; its build keys
+# (enable_nnx, pure_nnx_decoder, pure_nnx) default to its base.yml's values, true.
+NNX = {"maxtext_version": "0.2.4"}
+# The settings that choose e591f30's Linen build, as MaxText's own sharding tests give them: the build every
+# MaxText dump under tests/data/maxtext/ (goldens/, blocks/, pipelines/) was made of.
+LINEN = {"maxtext_version": "0.2.4", "enable_nnx": False, "pure_nnx_decoder": False, "pure_nnx": False}
 
 # A repository adopting sharding-dump (tests/integration/test_adopt.py, test_wheel.py): [tool.sharding-dump]
 # of its pyproject.toml, two rule files with mesh axes of its own naming, and its case file.
@@ -85,6 +94,40 @@ def matrix_setups() -> dict:
 def matrix_folders() -> dict:
     """The committed golden folder of every case of the matrix, to its case (read once per test process)."""
     return {golden_dir(case, REPO / "golden"): case for case in load_matrix()}
+
+
+@functools.cache
+def linen_matrix() -> dict[str, Case]:
+    """Every case of the matrix as e591f30's Linen build (LINEN added to its overrides), by its golden folder
+    relative to a golden root: the build MaxText's Linen dumps under tests/data/maxtext/ were made of. A
+    case that builds nothing else (0.2.5's serving) is left out."""
+    out = {}
+    for case in load_matrix():
+        try:
+            linen = Case.make(case.model, case.topology, case.rule, case.num_slices, {**dict(case.overrides), **LINEN})
+        except BadInput:
+            continue
+        out[golden_dir(linen, Path("/")).relative_to("/").as_posix()] = linen
+    return out
+
+
+@functools.cache
+def _linen_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="sharding-dump-linen-"))
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
+def linen_golden(folder: str) -> Path:
+    """Our golden folder of the Linen build of a matrix case (`folder`: a key of :func:`linen_matrix`, the
+    name a MaxText Linen dump is kept under), written once per test process."""
+    assert folder in linen_matrix(), f"reference case {folder} is not a case of sharding_dump/data/cases.yml " \
+                                     f"as e591f30's Linen build"
+    case = linen_matrix()[folder]
+    ours = golden_dir(case, _linen_root())
+    if not (ours / "named_shardings.json").is_file():
+        check_or_update(case, _linen_root(), update=True)
+    return ours
 
 
 @functools.cache

@@ -65,7 +65,7 @@ ZOO_SERVING_CASE = ("llama2-70b", "v6e-8", "inference",
                      "per_device_batch_size": 32, "max_target_length": 8192, "max_prefill_predict_length": 1024,
                      "quantize_kvcache": True})
 SHOW_TENSOR = (["--model", "llama2-7b", "--topology", "tpu7x-2048", "--rule", "default", "ici_fsdp_parallelism=-1",
-                "ici_tensor_parallelism=8"], "params/decoder/layers/mlp/wi_0/kernel")
+                "ici_tensor_parallelism=8"], "model/decoder/layers/mlp/wi_0/kernel")
 
 
 def table(headers: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> str:
@@ -251,7 +251,7 @@ def rules_page() -> str:
 def _release_rules() -> str:
     """The rule files of each MaxText release with a folder of its own, as differences from the file of
     the same name in `sharding_dump/rules/` (data/maxtext_releases.yml)."""
-    from sharding_dump.zoo.releases import releases
+    from sharding_dump.zoo.releases import SETTING, nnx_build, releases
     from sharding_dump.zoo.rules import RULES_DIR, rule_names
 
     parts = []
@@ -442,7 +442,7 @@ def pinned_table() -> str:
 
 def releases_table() -> str:
     """What each MaxText release the zoo builds changes (sharding_dump/data/maxtext_releases.yml), one row each."""
-    from sharding_dump.zoo.releases import releases
+    from sharding_dump.zoo.releases import SETTING, nnx_build, releases
     from sharding_dump.zoo.settings import setting_specs
 
     default = setting_specs()["maxtext_version"].default
@@ -458,7 +458,8 @@ def releases_table() -> str:
                      f"`{folder}/`", axes, bias, ", ".join(f"`{b}`" for b in rel.explicit_blocks),
                      "yes" if rel.zero1_with_fsdp else "refused",
                      "refused" if rel.kv_heads_atomic else "yes", keys, missing,
-                     f"{', '.join(rel.builds)}; written: {rel.written}"])
+                     f"{', '.join(rel.builds)}; by default: "
+                     f"{'nnx' if nnx_build({SETTING: rel.version}) else 'linen'}"])
     return table(["`maxtext_version`", "MaxText's code", "rule files", "logical axes", "routed bias as state",
                   "explicit mode accepts", "ZeRO-1 with FSDP", "a key/value head split", "base.yml keys (vs previous)",
                   "model configs without a card", "MaxText's builds"], rows)

@@ -131,6 +131,7 @@ _PATH_ELEMENT = re.compile(r"""\.(?P<attr>[A-Za-z_]\w*)|\[(?P<index>-?\d+)\]|\[(
 # `opt_state`, an NNX one's `model` (its parameters and other variables) and `optimizer` (`opt_state`, `step`).
 PARAMETER_PARTS = ("params", "model")
 OPTIMIZER_PARTS = ("opt_state", "optimizer")
+NNX_RNGS = "rngs"  # an NNX module's nnx.Rngs in its state: RNG state (count, key per stream), no parameter
 COLLECTION = "params"  # a linen model's variable collection, which the goldens' paths do not repeat
 VARIABLE_VALUE = "value"  # an NNX variable's (and a flax box's) value attribute: no level of a path
 

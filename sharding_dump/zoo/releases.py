@@ -40,7 +40,6 @@ class Release:
     keys_removed: tuple[str, ...]
     models_missing: Mapping[str, str]
     builds: tuple[str, ...]
-    written: str
     nnx_keys: tuple[str, ...]  # MaxText keys choosing between its two builds, where it has two
     choose: Mapping[str, Mapping[str, bool]]  # build -> the values of the keys that choose it
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
@@ -74,7 +73,7 @@ def releases() -> dict[str, Release]:
                                tuple(raw["explicit_blocks"]), raw["zero1_with_fsdp"], raw["kv_heads_atomic"],
                                tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
-                               tuple(raw["builds"]["maxtext"]), raw["builds"]["written"],
+                               tuple(raw["builds"]["maxtext"]),
                                tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
                                tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
                                {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()})
@@ -94,17 +93,6 @@ def release_of(values: Mapping[str, Any]) -> Release:
     from sharding_dump.zoo.settings import value_of
 
     return release(str(value_of(values, SETTING)))
-
-
-def nnx_build(values: Mapping[str, Any]) -> bool:
-    """True when the case's settings build MaxText's NNX build: a release whose builds are NNX only (0.2.5)
-    always; one with both (0.2.4) unless every one of its NNX keys is false (each is true by default), as
-    MaxText's own sharding tests give `pure_nnx=False enable_nnx=False pure_nnx_decoder=False` for its
-    Linen build."""
-    rel = release_of(values)
-    if "linen" not in rel.builds:
-        return True
-    return any(values.get(key, True) is not False for key in rel.nnx_keys)
 
 
 def rule_dirs() -> tuple[Path, ...]:

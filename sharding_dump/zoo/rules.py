@@ -280,9 +280,9 @@ def deciding_rule(logical_axes: Sequence[str | None], rules: Rules, dim: int) ->
 Leaf = tuple[str, Sequence[int], Sequence[Any]]
 def parameter(path: str) -> str | None:
     """A parameter leaf's path inside the parameters (a Linen state's `params/`, an NNX state's `model/`), None for
-    any other leaf."""
+    any other leaf (an NNX module's RNG state among them: MaxText replicates it, no rule places it)."""
     part, _, rest = path.partition("/")
-    return rest if part in specs.PARAMETER_PARTS and rest else None
+    return rest if part in specs.PARAMETER_PARTS and rest and specs.NNX_RNGS not in rest.split("/") else None
 
 
 def unplaced_parameters(rule_set: RuleSet, leaves: Iterable[Leaf], placed: Container[str] = ()) -> list[str]:

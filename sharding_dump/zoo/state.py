@@ -76,7 +76,7 @@ def is_optimizer_leaf(path: str) -> bool:
 # MaxText's NNX state (common/train_state_nnx.py TrainStateNNX): the model's variables under `model` (its
 # parameters by the same names as the Linen build's, beside the RNG state of the modules that keep an
 # nnx.Rngs), nnx.Optimizer's `opt_state` and `step` under `optimizer`.
-NNX_MODEL, NNX_OPTIMIZER, NNX_RNGS = "model", "optimizer", "rngs"
+NNX_MODEL, NNX_OPTIMIZER, NNX_RNGS = "model", "optimizer", specs.NNX_RNGS
 # The logical axes of a stacked layer dimension (the zoo's scans and pipeline stacks, sharding_dump/models),
 # outermost first (a pipeline's repeats hold its stages, which hold a stage's layers; a scanned block holds
 # its inner scan): a module's RNG state is stacked over the same scans, in that order.

@@ -9,31 +9,30 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO, compare_maxtext_tool, matrix_folders
-from sharding_dump.zoo.case import golden_dir
+from helpers import LINEN, REPO, compare_maxtext_tool, linen_golden
+from sharding_dump.zoo.case import Case, golden_dir
 
 REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
 TOOL = REPO / "tools" / "compare_maxtext.py"
-GOLDEN = REPO / "golden"
 
-# MaxText's eight published cases, as folders of its golden tree.
-REFERENCE_CASES = [
-    "deepseek2-16b/tpu7x-16/slice_1/rule_default",
-    "deepseek2-16b/tpu7x-16/slice_1/rule_pure-fsdp",
-    "deepseek2-16b/tpu7x-16/slice_1/rule_ep-as-dp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2"
-    "_use_ring_of_experts=true",
-    "deepseek2-16b/tpu7x-8/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2",
-    "deepseek2-16b/tpu7x-8/slice_1/rule_cp-as-ep_ici_fsdp_parallelism=-1_ici_context_parallelism=2"
-    "_ici_expert_parallelism=2",
-    "deepseek2-16b/tpu7x-8/slice_1/rule_ep-as-cp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2",
-    "deepseek2-16b/v6e-16/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_expert_parallelism=4",
-    "deepseek2-16b/v6e-16/slice_1/rule_pipeline-large-moe_ici_fsdp_parallelism=-1_ici_expert_parallelism=4"
-    "_use_ring_of_experts=true",
-]
+# MaxText's eight published cases (its Linen build, as its own sharding tests dump e591f30), as folders of its
+# golden tree: our cases of them with LINEN added.
+REFERENCE_CASES = [golden_dir(Case.make("deepseek2-16b", topology, rule, overrides={**overrides, **LINEN}), Path("/"))
+                   .relative_to("/").as_posix() for topology, rule, overrides in [
+    ("tpu7x-16", "default", {}),
+    ("tpu7x-16", "pure-fsdp", {}),
+    ("tpu7x-16", "ep-as-dp", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2, "use_ring_of_experts": True}),
+    ("tpu7x-8", "shard-exp-on-fsdp", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
+    ("tpu7x-8", "cp-as-ep", {"ici_fsdp_parallelism": -1, "ici_context_parallelism": 2, "ici_expert_parallelism": 2}),
+    ("tpu7x-8", "ep-as-cp", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
+    ("v6e-16", "default", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 4}),
+    ("v6e-16", "pipeline-large-moe", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 4, "use_ring_of_experts": True}),
+]]
 MOE_WEIGHT = "params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi_0"
 
 
@@ -45,10 +44,8 @@ def reference_root():
 
 
 def our_folder(reference_case: str):
-    """Our golden folder for a reference case, through golden_dir; the case must be in the matrix."""
-    folder = GOLDEN / reference_case
-    assert folder in matrix_folders(), f"reference case {reference_case} is not in sharding_dump/data/cases.yml"
-    return golden_dir(matrix_folders()[folder], GOLDEN)
+    """Our golden of a reference case: the matrix case as e591f30's Linen build (helpers.linen_golden)."""
+    return linen_golden(reference_case)
 
 
 def tool_main():

@@ -9,14 +9,16 @@ source commit and licence in `tests/data/maxtext/README.md`); a missing one fail
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import REPO, compare_maxtext_tool, matrix_folders, sweep_beyond_first
+from helpers import LINEN, REPO, compare_maxtext_tool, linen_golden, matrix_folders, sweep_beyond_first
 from sharding_dump.commands.cli import main
 from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import cards, state
+from sharding_dump.zoo.case import Case, golden_dir
 
 BLOCK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "blocks"
 DEEPSEEK_REFERENCE = REPO / "tests" / "data" / "maxtext" / "goldens"
@@ -54,9 +56,7 @@ def test_parameter_count_is_maxtexts(card):
 
 @pytest.mark.parametrize("case", [c for c in reference_cases() if (BLOCK_REFERENCE / c).is_dir()])
 def test_block_matches_maxtexts_dump(case):
-    ours = REPO / "golden" / case
-    assert ours in matrix_folders(), f"reference case {case} is not in sharding_dump/data/cases.yml"
-    ok, report = compare_maxtext()(reference_folder(case), ours)
+    ok, report = compare_maxtext()(reference_folder(case), linen_golden(case))
     assert ok, report
     assert "0 differ, 0 only in reference, 0 only in ours; (shape, spec) multiset remainder 0 + 0" in report
 
@@ -89,10 +89,18 @@ def test_qwen3_next_attention_output_has_maxtexts_three_names():
 PIPELINE_REFERENCE = REPO / "tests" / "data" / "maxtext-scan-block-pipelines"
 
 
-# MaxText's own dumps of pipelines whose unit is a scanned block, with the one setting each case adds.
-PIPELINES = {"gemma4-31b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2": "ici_pipeline_parallelism=2",
-             "olmo3-32b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=4": "ici_pipeline_parallelism=4",
-             "qwen3.5-35b-a3b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2": "ici_pipeline_parallelism=2"}
+LINEN_ARGS = [f"{key}={str(value).lower()}" for key, value in LINEN.items()]
+
+
+def linen_pipeline(model: str, stages: int) -> tuple[str, str]:
+    """(the folder of our case as e591f30's Linen build, the one setting it adds)."""
+    case = Case.make(model, "tpu7x-8", "default", overrides={"ici_pipeline_parallelism": stages, **LINEN})
+    return golden_dir(case, Path("/")).relative_to("/").as_posix(), f"ici_pipeline_parallelism={stages}"
+
+
+# MaxText's own dumps (its Linen build) of pipelines whose unit is a scanned block, with the one setting each adds.
+PIPELINES = dict(linen_pipeline(model, stages) for model, stages in [("gemma4-31b", 2), ("olmo3-32b", 4),
+                                                                      ("qwen3.5-35b-a3b", 2)])
 
 
 def test_every_pipeline_reference_is_compared():
@@ -107,7 +115,7 @@ def test_pipeline_of_scan_blocks_matches_maxtexts_dump(case, tmp_path):
     none and are replicated. MaxText's dump of the case and ours name the same leaves, with the same
     shape, partition spec and logical axes."""
     model, topology = case.split("/")[:2]
-    assert main(["--model", model, "--topology", topology, "--rule", "default", PIPELINES[case],
+    assert main(["--model", model, "--topology", topology, "--rule", "default", PIPELINES[case], *LINEN_ARGS,
                  "--golden-dir", str(tmp_path)]) == 0
     ok, report = compare_maxtext()(PIPELINE_REFERENCE / case, tmp_path / case)
     assert ok, report

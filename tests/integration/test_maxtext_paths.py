@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, compare_maxtext_tool, matrix_folders
+from helpers import REPO, compare_maxtext_tool, linen_golden
 from sharding_dump.core.specs import leaf_path
 
 MAXTEXT = REPO / "tests" / "data" / "maxtext"
@@ -39,9 +39,9 @@ def case_of(folder: Path) -> str:
 
 
 def our_folder(folder: Path) -> Path:
-    ours = REPO / "golden" / case_of(folder)
-    assert ours in matrix_folders(), f"MaxText dump {case_of(folder)} is not a case of sharding_dump/data/cases.yml"
-    return ours
+    """Our golden of the case a MaxText dump is kept under: a matrix case as e591f30's Linen build, the build
+    these dumps are of (helpers.linen_golden)."""
+    return linen_golden(case_of(folder))
 
 
 @pytest.mark.parametrize("folder", dump_folders(MAXTEXT), ids=lambda f: f.relative_to(MAXTEXT).parts[0] + ":"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import NNX, REPO, compare_maxtext_tool
+from helpers import REPO, compare_maxtext_tool
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 
@@ -28,12 +28,12 @@ CASES = [
     ("0.2.5", "gpt3-6b", "tpu7x-16", "default", {}),
     ("0.2.5", "gemma4-26b", "tpu7x-16", "default", {}),
     ("0.2.5", "deepseek3.2-671b", "tpu7x-16", "default", {}),  # routed gate/bias as model state
-    ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", NNX),
-    ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {**NNX, "ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
-    ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", NNX),
-    ("0.2.4", "gemma4-26b", "tpu7x-16", "default", {**NNX, "ici_tensor_parallelism": 2, "ici_expert_parallelism": 4}),
-    ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", NNX),
-    ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", NNX),
+    ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
+    ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
+    ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
+    ("0.2.4", "gemma4-26b", "tpu7x-16", "default", {"ici_tensor_parallelism": 2, "ici_expert_parallelism": 4}),
+    ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", {}),
+    ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", {}),
 ]
 
 
@@ -61,7 +61,7 @@ def test_release_case_matches_maxtexts_nnx_dump_by_path(entry, tmp_path):
 # 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
 PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
 ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
-                   ("0.2.4", "llama2-7b", "v5p-8", "default", {**PIPELINE, **NNX})]
+                   ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE)]
 # MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
 # site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
 # records its stages' own constraints at the stage's shape (36 records, 14 checked).
@@ -102,7 +102,7 @@ def test_the_previous_release_differs_from_maxtext_025s_dump(tmp_path, capsys):
     file since 0.2.4 has no rule of that name) is not MaxText 0.2.5's."""
     entry = next(c for c in CASES if c[1] == "deepseek2-16b" and c[3] == "fsdp-as-dp-for-attn")
     case = case_of(*entry)
-    old = Case.make(entry[1], entry[2], str(case.rule_set().path), overrides={"maxtext_version": "0.2.4", **NNX})
+    old = Case.make(entry[1], entry[2], str(case.rule_set().path), overrides={"maxtext_version": "0.2.4"})
     check_or_update(old, tmp_path, update=True)
     ok, report = compare_maxtext_tool()["compare"](golden_dir(case, RELEASES / entry[0]), golden_dir(old, tmp_path))
     assert not ok

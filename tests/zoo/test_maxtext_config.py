@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import NNX, REPO, sweep_beyond_first, tree_bytes
+from helpers import LINEN, NNX, REPO, sweep_beyond_first, tree_bytes
 from sharding_dump.commands import cli, options
 from sharding_dump.errors import BadInput
 from sharding_dump.models.config import BUILD_FIELDS, NUMERICS, RELEASE_FIELDS, ModelConfig
@@ -129,10 +129,10 @@ def test_run_config_with_kernel_keys_dumps_the_committed_golden(tmp_path, capsys
     out, model = tmp_path / "g", tmp_path / "m"
     status = cli.main(["--maxtext-config", str(RUN), "sa_block_q=256", "sa_block_kv_dkv=2048", "--golden-dir", str(out)])
     assert status == 0, capsys.readouterr().err
-    nnx = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # base.yml's: MaxText's NNX build
+    nnx = NNX  # e591f30, whose base.yml chooses its NNX build
     case = Case.make("llama2-7b", "v5p-16", "default", overrides=nnx)
     assert cli.main(["--model", "llama2-7b", "--topology", "v5p-16", "--rule", "default",
-                     *(f"{k}=true" for k in nnx), "--golden-dir", str(model)]) == 0, capsys.readouterr().err
+                     *(f"{k}={v}" for k, v in nnx.items()), "--golden-dir", str(model)]) == 0, capsys.readouterr().err
     assert tree_bytes(golden_dir(case, out)) == tree_bytes(golden_dir(case, model))
     assert [p.relative_to(out).as_posix() for p in out.glob("*/*/*/*")] == \
         [golden_dir(case, out).relative_to(out).as_posix()]
@@ -143,7 +143,7 @@ def test_opt_type_is_honoured(tmp_path, capsys):
     out = tmp_path / "g"
     assert cli.main(["--maxtext-config", str(RUN), "opt_type=sgd", "--golden-dir", str(out)]) == 0, capsys.readouterr().err
     (named,) = out.rglob("named_shardings.json")
-    assert named.parent.name == "rule_default_enable_nnx=true_pure_nnx_decoder=true_pure_nnx=true_opt_type=sgd"
+    assert named.parent.name == "rule_default_maxtext_version=0.2.4_opt_type=sgd"  # e591f30's base.yml
     assert [p for p in json.loads(named.read_text())["tensors"] if "opt_state/" in p] == ["optimizer/opt_state/1/count"]
 
 
@@ -243,7 +243,7 @@ def test_every_card_composes_from_maxtexts_model_config(card):
     sets beside the model (MaxText's GPT-3 configs: adam_pax, two of them on 1024 tokens) are the card's
     `settings`; base.yml's build keys choose MaxText's NNX build."""
     case = read(f"model_name={card}", config=BASE, topology="v5p-16")
-    nnx = {"enable_nnx": True, "pure_nnx_decoder": True, "pure_nnx": True}  # base.yml's: MaxText's NNX build
+    nnx = NNX  # e591f30, whose base.yml chooses its NNX build
     assert case == Case.make(card, "v5p-16", "default", overrides={**cards.card_settings(card), **nnx})
 
 
@@ -294,7 +294,7 @@ def test_a_cards_settings_are_its_cases_defaults():
     named = Case.make("gpt3-6b", "tpu7x-8", "default", overrides={"opt_type": "adam_pax", "max_target_length": 1024})
     assert named in load_matrix()
     layouts = [[(t.path, t.shape, t.partition_spec) for t in case_layouts(c)[1]] for c in (plain.case, named)]
-    assert layouts[0] == layouts[1] and any(path.startswith("opt_state") for path, _, _ in layouts[0])
+    assert layouts[0] == layouts[1] and any(path.startswith("optimizer/opt_state") for path, _, _ in layouts[0])
     other = setup_case(Case.make("gpt3-6b", "tpu7x-8", "default", overrides={"opt_type": "adamw"}))
     assert (other.values["opt_type"], other.values["max_target_length"]) == ("adamw", 1024)
 
@@ -319,7 +319,8 @@ def test_maxtexts_reference_cases_are_the_matrix_cases(case):
         [f"{k}={settings.format_value(v)}" for k, v in case.overrides]
     if case.rule != "default":
         command_line.append(f"custom_mesh_and_rule={case.rule}")
-    assert read(*command_line, config=BASE, topology=case.topology, num_slices=case.num_slices) == case
+    assert read(*command_line, config=BASE, topology=case.topology, num_slices=case.num_slices) == \
+        Case.make(case.model, case.topology, case.rule, case.num_slices, {**dict(case.overrides), **LINEN})
 
 
 def test_custom_rule_that_drifts_from_maxtexts_file_is_refused(tmp_path, monkeypatch):
@@ -363,12 +364,13 @@ def test_rules_merge_by_logical_name_and_a_change_is_refused():
 def test_settings_name_the_case_as_maxtexts_dumps_do():
     """Honoured settings that differ from the default name the case, and so does any given on the
     command line (MaxText's explicit keys), even at its default; base.yml's build keys choose its NNX build."""
-    nnx = "_enable_nnx=true_pure_nnx_decoder=true_pure_nnx=true"
-    assert read("ici_tensor_parallelism=2").name == "rule_default_ici_tensor_parallelism=2" + nnx
-    assert read("ici_fsdp_parallelism=-1").name == "rule_default_ici_fsdp_parallelism=-1" + nnx
-    assert read().name == "rule_default" + nnx  # the run file sets ici_fsdp_parallelism: -1, the default
+    release = "_maxtext_version=0.2.4"  # e591f30's base.yml, whose build keys default to its NNX build
+    assert read("ici_tensor_parallelism=2").name == "rule_default_ici_tensor_parallelism=2" + release
+    assert read("ici_fsdp_parallelism=-1").name == "rule_default_ici_fsdp_parallelism=-1" + release
+    assert read().name == "rule_default" + release  # the run file sets ici_fsdp_parallelism: -1, the default
     linen = ("pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false")  # MaxText's sharding tests' own
-    assert read("ici_tensor_parallelism=2", *linen).name == "rule_default_ici_tensor_parallelism=2"
+    assert read("ici_tensor_parallelism=2", *linen).name == \
+        "rule_default_ici_tensor_parallelism=2" + release + "_enable_nnx=false_pure_nnx_decoder=false_pure_nnx=false"
 
 
 def test_environment_overrides_as_in_maxtext():

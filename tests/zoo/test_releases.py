@@ -75,11 +75,11 @@ def test_keys_of_a_release_leave_out_later_additions_and_its_removals():
 BAD = [
     ("--model weaver-mini", "model 'weaver-mini': MaxText 0.2.5's model config 'weaver-mini' is not built by the zoo: "
                             "a qwen3 decoder behind Weaver's vision encoder"),
-    ("--model qwen3-0.6b --rule fsdp-as-dp-for-attn",
+    ("--model qwen3-0.6b --rule fsdp-as-dp-for-attn maxtext_version=0.2.4",
      "unknown rule 'fsdp-as-dp-for-attn' (a rule of MaxText 0.2.5: give maxtext_version=0.2.5)"),
     ("--model qwen3-0.6b maxtext_version=0.2.3", "maxtext_version='0.2.3': must be one of 0.2.4, 0.2.5"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 pure_nnx=false", "pure_nnx=false: not a key of MaxText 0.2.5"),
-    ("--model qwen3-0.6b use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
+    ("--model qwen3-0.6b maxtext_version=0.2.4 use_m3_model=false", "use_m3_model=false: not a key of MaxText 0.2.4"),
     ("--model qwen3-0.6b base_emb_dim=1024", "base_emb_dim=1024: a hyperparameter of the model: a --model case "
                                              "builds its card's"),
     ("--model qwen3-0.6b compile_topology=v5p-8", "compile_topology=v5p-8: the topology and slices of a --model "
@@ -89,18 +89,18 @@ BAD = [
      "over tensor (4 shards); size those axes to divide 2"),
     ("--model qwen3-0.6b maxtext_version=0.2.5 use_lineage=true", "use_lineage=true: not supported: another "
                                                                   "implementation of the model"),
-    ("--model qwen3.5-35b-a3b ici_fsdp_parallelism=-1 ici_tensor_parallelism=2 pure_nnx=true pure_nnx_decoder=true",
+    ("--model qwen3.5-35b-a3b maxtext_version=0.2.4 ici_fsdp_parallelism=-1 ici_tensor_parallelism=2",
      "decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/"
      "pure_nnx true): its NNX build gives the decoder_norm of qwen3.5 and qwen3-next no logical axes"),
 ]
 
 
 def test_the_default_release_is_not_named_in_the_folder():
-    """`maxtext_version=0.2.4` (the default) is the case without it: earlier goldens keep their folders."""
-    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.4"}) == \
+    """`maxtext_version=0.2.5` (the default) is the case without it; 0.2.4 is named."""
+    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.5"}) == \
         Case.make("qwen3-0.6b", "tpu7x-16", "default")
-    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.5"}).name == \
-        "rule_default_maxtext_version=0.2.5"
+    assert Case.make("qwen3-0.6b", "tpu7x-16", "default", overrides={"maxtext_version": "0.2.4"}).name == \
+        "rule_default_maxtext_version=0.2.4"
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[a for a, _ in BAD])
@@ -119,7 +119,7 @@ def logical(model: str, rule: str = "default", **overrides) -> dict[str, list]:
 def test_release_025_names_every_attention_kernel_embed_attn():
     """0.2.5 gives the embed dimension of q/k/v/out kernels `embed_attn` (MaxText's attentions.py); 0.2.4 `embed`.
     Nothing else changes."""
-    old, new = logical("qwen3-0.6b"), logical("qwen3-0.6b", maxtext_version="0.2.5")
+    old, new = logical("qwen3-0.6b", maxtext_version="0.2.4"), logical("qwen3-0.6b")
     assert old.keys() == new.keys()
     changed = {path for path in old if old[path] != new[path]}
     assert changed == {f"decoder/layers/self_attention/{k}/kernel" for k in ("query", "key", "value", "out")}
@@ -128,7 +128,7 @@ def test_release_025_names_every_attention_kernel_embed_attn():
 
 
 def test_release_025_names_the_router_of_routed_and_shared_experts_embed_router():
-    old, new = logical("deepseek2-16b"), logical("deepseek2-16b", maxtext_version="0.2.5")
+    old, new = logical("deepseek2-16b", maxtext_version="0.2.4"), logical("deepseek2-16b")
     gate = "decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel"
     assert old[gate] == ["embed_moe", "moe_layers", None] and new[gate] == ["embed_router", "moe_layers", None]
 
@@ -202,13 +202,14 @@ def test_maxtext_025s_own_base_yml_and_model_config_dump_the_model_case(tmp_path
             "maxtext_version": "0.2.5"}), theirs) / name).read_bytes()
 
 
+V024 = {"maxtext_version": "0.2.4"}
 NNX_BUILD = [  # (settings, MaxText's build) as e591f30's train_compile.py / models.py read its three keys
-    ({"pure_nnx": True, "enable_nnx": True, "pure_nnx_decoder": True}, True),  # base.yml: all three true
-    ({"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": False}, False),  # MaxText's own sharding tests
-    ({}, False),  # the zoo's defaults: those
-    ({"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": True}, False),  # the Linen Transformer never reads it
-    ({"pure_nnx": True, "pure_nnx_decoder": True}, True),  # the NNX state never reads enable_nnx
-    ({"maxtext_version": "0.2.5"}, True),  # 0.2.5 has only its NNX build
+    ({**V024, "pure_nnx": True, "enable_nnx": True, "pure_nnx_decoder": True}, True),  # base.yml: all three true
+    (V024, True),  # the zoo's defaults: base.yml's
+    ({**V024, "pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": False}, False),  # MaxText's own sharding tests
+    ({**V024, "pure_nnx": False, "enable_nnx": False}, False),  # the Linen Transformer never reads pure_nnx_decoder
+    ({**V024, "enable_nnx": False}, True),  # the NNX state never reads enable_nnx
+    ({}, True),  # the default release, 0.2.5, has only its NNX build
 ]
 
 
@@ -218,10 +219,11 @@ def test_nnx_build_is_the_build_maxtext_chooses_for_its_keys(values, nnx):
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"enable_nnx": True}, "enable_nnx=true pure_nnx_decoder=false pure_nnx=false: MaxText 0.2.4 bridges one build's "
-                           "modules into the other's state"),
-    ({"pure_nnx": True}, "pure_nnx=true enable_nnx=false pure_nnx_decoder=false: MaxText 0.2.4 bridges"),
-    ({"maxtext_version": "0.2.5", "enable_nnx": True}, "enable_nnx=true: not a key of MaxText 0.2.5"),
+    ({**V024, "pure_nnx": False}, "pure_nnx=false enable_nnx=true pure_nnx_decoder=true: MaxText 0.2.4 bridges one "
+                                  "build's modules into the other's state"),
+    ({**V024, "enable_nnx": False, "pure_nnx_decoder": False}, "enable_nnx=false pure_nnx_decoder=false pure_nnx=true: "
+                                                               "MaxText 0.2.4 bridges"),
+    ({"enable_nnx": False}, "enable_nnx=false: not a key of MaxText 0.2.5"),
 ])
 def test_nnx_build_refuses_a_mix_and_keys_a_release_lacks(values, message):
     with pytest.raises(BadInput, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
