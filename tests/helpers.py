@@ -32,6 +32,7 @@ NNX = {"maxtext_version": "0.2.4"}
 # The settings that choose e591f30's Linen build, as MaxText's own sharding tests give them: the build every
 # MaxText dump under tests/data/maxtext/ (goldens/, blocks/, pipelines/) was made of.
 LINEN = {"maxtext_version": "0.2.4", "enable_nnx": False, "pure_nnx_decoder": False, "pure_nnx": False}
+LINEN_ARGS = [f"{key}={str(value).lower()}" for key, value in LINEN.items()]  # as KEY=VALUE on the command line
 
 # A repository adopting sharding-dump (tests/integration/test_adopt.py, test_wheel.py): [tool.sharding-dump]
 # of its pyproject.toml, two rule files with mesh axes of its own naming, and its case file.

@@ -390,7 +390,7 @@ def check_pipeline_layers(setup: CaseSetup, layouts: list[TensorLayout]) -> list
     built, model = cards.built_layers(cfg, pipelined=True), cards.built_layers(cfg, pipelined=False)
     if built <= model:
         return []
-    built_params = sum(math.prod(t.shape) for t in layouts if t.group == "params")
+    built_params = sum(math.prod(t.shape) for t in layouts if rules.parameter(t.path) is not None)
     model_params = parameter_count(state.abstract_params(cfg))
     stack = cards.pipelined_stack(cfg)
     return [Finding(

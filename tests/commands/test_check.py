@@ -82,7 +82,7 @@ def test_kv_heads_not_divisible_by_tensor(capsys):
     out = capsys.readouterr().out
     rule = f"sharding_dump/rules/default.yml:{line_of(DEFAULT, '  - [kv_heads,')}  [kv_heads, [tensor, tensor_sequence, autoregressive]]"
     for name in ("key", "value"):
-        block = (f"  [divisibility] params/decoder/layers/self_attention/{name}/kernel (and opt_state/0/mu, opt_state/0/nu)\n"
+        block = (f"  [divisibility] model/decoder/layers/self_attention/{name}/kernel (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)\n"
                  f"      dim 2 (kv_heads) of size 8 is split over tensor=16: 8 is not a multiple of 16\n"
                  f"      rule: {rule}\n")
         assert block in out
@@ -93,7 +93,7 @@ def test_dimension_larger_than_its_split_but_not_a_multiple():
     """151936 rows over tensor=256: every device holds 594 rows but the last shard is padded."""
     case = Case.make("qwen3-0.6b", "tpu7x-256", "default", overrides={"ici_tensor_parallelism": "256"})
     found = {f.subject: f for f in check.lint_case(case) if f.lint == "divisibility"}
-    emb = found["params/token_embedder/embedding (and opt_state/0/mu, opt_state/0/nu)"]
+    emb = found["params/token_embedder/embedding (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)"]
     assert emb.message == "dim 0 (vocab) of size 151936 is split over tensor=256: 151936 is not a multiple of 256"
     assert emb.details == (f"rule: sharding_dump/rules/default.yml:{line_of(DEFAULT, '  - [vocab,')}  "
                            "[vocab, [tensor, tensor_sequence, autoregressive]]",)
@@ -106,12 +106,12 @@ def test_product_of_several_axes_and_the_fallback_rule_that_applied():
     found = {f.subject.split(" ")[0]: f for f in check.lint_case(case) if f.lint == "divisibility"}
     first = line_of(DEFAULT, "  - [embed, [fsdp, fsdp_transpose")
     fallback = line_of(DEFAULT, "  - [embed, [fsdp, context")
-    key = found["params/decoder/layers/self_attention/key/kernel"]
+    key = found["model/decoder/layers/self_attention/key/kernel"]
     assert key.message == "dim 0 (embed) of size 1024 is split over fsdp=1024 x expert=2 = 2048: 1024 is not a multiple of 2048"
     assert key.details == (f"rule: sharding_dump/rules/default.yml:{first}  "
                            "[embed, [fsdp, fsdp_transpose, context, context_usp_ulysses, expert]]",)
     # in the MLP `mlp` takes fsdp_transpose first, so embed falls back to its second rule
-    wi0 = found["params/decoder/layers/mlp/wi_0/kernel"]
+    wi0 = found["model/decoder/layers/mlp/wi_0/kernel"]
     assert wi0.details == (f"rule: sharding_dump/rules/default.yml:{fallback}  "
                            "[embed, [fsdp, context, context_usp_ulysses, expert]]",)
 
@@ -167,7 +167,7 @@ def test_replicated_parameters_above_tolerance(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "  [replicated] parameters held whole by every device\n" in out
     assert "96.1% of the parameter bytes (24.1 GiB of 25.1 GiB) are split over none of fsdp=8, above the 2.0% tolerance" in out
-    assert (f"      params/decoder/layers/mlp/wi_0/kernel  5.4 GiB\n"
+    assert (f"      model/decoder/layers/mlp/wi_0/kernel  5.4 GiB\n"
             f"        dim 0 (embed): {rule}:{line_of(rule, '  - [embed,')}  [embed, []]\n") in out
     assert main(args + ["--replicated-tolerance", "97%"]) == 0
     assert main(args + ["--replicated-tolerance", "0.95"]) == 1
@@ -184,7 +184,7 @@ def test_an_axis_of_size_1_shards_nothing(tmp_path):
 
 def test_model_card_rules_point_at_the_card():
     setup, layouts = case_layouts(Case.make("llama2-7b", "v5p-16", "default"))
-    norm = next(t for t in layouts if t.path == "params/decoder/decoder_norm/scale")
+    norm = next(t for t in layouts if t.path == "model/decoder/decoder_norm/scale")
     card = REPO / "sharding_dump/data/models/llama2-7b.yml"
     assert check.dimension_rules(setup.rule_set, norm) == [
         f"  dim 0 (norm): sharding_dump/data/models/llama2-7b.yml:{line_of(card, 'logical_axis_rules:')}  [norm, fsdp]"]
@@ -196,7 +196,7 @@ def test_memory_above_hbm():
     (memory,) = findings["memory"]
     assert memory.message.startswith("params 6.3 GiB + optimizer state 12.6 GiB = 18.8 GiB per device, above the "
                                      "16.0 GiB HBM of one v5e device (118%)")
-    assert memory.details[0] == "params/decoder/layers/mlp/wi_0/kernel (with its optimizer slots)  4.0 GiB"  # 1.3 x 3
+    assert memory.details[0] == "model/decoder/layers/mlp/wi_0/kernel (with its optimizer slots)  4.0 GiB"  # 1.3 x 3
     assert not check.lint_case(Case.make("llama2-7b", "v5e-8", "default"))  # 9.4 GiB fits in 16
 
 
@@ -335,8 +335,8 @@ def test_show_prints_every_leaf_and_the_totals(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("llama2-7b/v5p-16/slice_1/rule_pure-fsdp: mesh fsdp=8 (8 devices)")
-    row = next(line.split() for line in lines if line.startswith("params/decoder/layers/mlp/wi_0/kernel "))
-    assert row == ["params/decoder/layers/mlp/wi_0/kernel", "[4096,32,11008]", '["embed","layers","mlp"]',
+    row = next(line.split() for line in lines if line.startswith("model/decoder/layers/mlp/wi_0/kernel "))
+    assert row == ["model/decoder/layers/mlp/wi_0/kernel", "[4096,32,11008]", '["embed","layers","mlp"]',
                    '["fsdp",null,null]', "[512,32,11008]", "688.0", "MiB"]
     golden = json.loads((REPO / "golden/llama2-7b/v5p-16/slice_1/rule_pure-fsdp/named_shardings.json").read_text())
     assert [line.split()[0] for line in lines if line.startswith(("params/", "opt_state/", "step"))] == sorted(
@@ -353,7 +353,7 @@ def test_deepseek3_q_lora_and_kv_lora_cannot_split_over_fsdp_times_expert(capsys
     assert main(args) == 1
     out = capsys.readouterr().out
     q_line = line_of(DEFAULT, "  - [q_lora,")
-    assert ("params/decoder/moe_layers/self_attention/wq_b/kernel (and opt_state/0/mu, opt_state/0/nu)\n"
+    assert ("model/decoder/moe_layers/self_attention/wq_b/kernel (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)\n"
             "      dim 0 (q_lora) of size 1536 is split over fsdp=128 x expert=8 = 1024: "
             "1536 is not a multiple of 1024\n"
             f"      rule: sharding_dump/rules/default.yml:{q_line}") in out

@@ -21,7 +21,7 @@ def test_dump_one_case(tmp_path, capsys):
     assert captured.err == "" and captured.out.startswith(f"{folder}/: wrote activation_shardings.json, "), captured
     named = json.loads((folder / "named_shardings.json").read_text())
     assert named["mesh"] == {"axis_names": ["fsdp"], "axis_sizes": [8], "shard_mode": "auto"}
-    assert named["tensors"]["params/decoder/layers/mlp/wi_0/kernel"]["partition_spec"] == ["fsdp", None, None]
+    assert named["tensors"]["model/decoder/layers/mlp/wi_0/kernel"]["partition_spec"] == ["fsdp", None, None]
     assert (folder / "named_shardings.json").read_bytes() == (REPO / "golden" / folder.relative_to(tmp_path)
                                                               / "named_shardings.json").read_bytes()
 
@@ -151,7 +151,7 @@ def test_mutated_rule_is_caught_with_tensor_names(mutated_rule):
     rule = mutated_rule("pure-fsdp", "  - [embed, [fsdp]]\n", "  - [embed, []]\n")
     outcome = check_or_update(Case.make("llama2-7b", "v5p-16", str(rule)), REPO / "golden", update=False)
     assert outcome.status == "differs"
-    assert "params/decoder/layers/mlp/wi_0/kernel  (and opt_state/0/mu, opt_state/0/nu)" in outcome.report
+    assert "model/decoder/layers/mlp/wi_0/kernel  (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)" in outcome.report
     assert 'partition_spec    golden ["fsdp",null,null]  now [null,null,null]' in outcome.report
 
 

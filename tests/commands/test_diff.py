@@ -68,7 +68,7 @@ def test_two_rules_markdown_names_tensors_specs_and_bytes(capsys, no_embed):
     assert out.index("params/device") < out.index("| memory per device ") < out.index("| tensor ")
     assert rows["params"] == ["params", "3.1 GiB", "24.2 GiB", "+21.1 GiB (+673%)"]
     assert rows["activations"] == ["activations", "9.2 GiB", "9.2 GiB", "0"]
-    assert rows["`params/decoder/layers/mlp/wi_0/kernel` (and opt_state/0/mu, opt_state/0/nu)"][1:] == [
+    assert rows["`params/decoder/layers/mlp/wi_0/kernel` (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)"][1:] == [
         '`["fsdp",null,null]`', "`[null,null,null]`", "688.0 MiB", "5.4 GiB"]
     tensors = [name for name in rows if name.startswith("`params/")]
     assert len(tensors) == 7 and not any("token_embedder" in name for name in rows)  # embed_vocab kept fsdp
@@ -105,7 +105,7 @@ def test_golden_trees_paired_by_case(tmp_path, capsys, no_embed):
     assert status == {PURE_FSDP_CASE: "changed", added: "added", gone: "removed", **dict.fromkeys(same, "identical")}
     changed = next(c for c in doc["cases"] if c["status"] == "changed")
     assert changed["counts"] == {"added": 0, "changed": 21, "removed": 0}
-    wi0 = next(t for t in changed["tensors"] if t["tensor"] == "params/decoder/layers/mlp/wi_0/kernel")
+    wi0 = next(t for t in changed["tensors"] if t["tensor"] == "model/decoder/layers/mlp/wi_0/kernel")
     assert (wi0["old_spec"], wi0["new_spec"]) == (["fsdp", None, None], [None, None, None])
     assert (wi0["old_per_device_bytes"], wi0["new_per_device_bytes"]) == (721420288, 5771362304)
     assert wi0["slots"] == ["opt_state/0/mu", "opt_state/0/nu"]
@@ -225,7 +225,7 @@ def test_markdown_of_a_rule_mutation_charts_memory_per_device(capsys, no_embed):
     chart = out.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert chart.splitlines()[1:] == [
         "xychart-beta horizontal", '    title "Memory per device, before (grey) and after (blue)"',
-        '    x-axis ["params before 3.1 GiB", "params after 24.2 GiB", "opt_state before 6.3 GiB", '
+        '    x-axis ["model before 3.1 GiB", "model after 24.2 GiB", "opt_state before 6.3 GiB", '
         '"opt_state after 48.5 GiB", "activations before 9.2 GiB", "activations after 9.2 GiB"]',
         '    y-axis "GiB per device, from 0" 0 --> 48.50',
         "    bar [3.14, 0, 6.28, 0, 9.19, 0]", "    bar [0, 24.25, 0, 48.50, 0, 9.19]"]
@@ -270,8 +270,8 @@ def test_html_report_is_a_standalone_page_with_the_chart(tmp_path, capsys, no_em
     assert opened == [] and page.startswith("<!DOCTYPE html>") and "<script" not in page
     widths = dict(re.findall(r'<text x="0" y="\d+" font-size="13">(params \w+)</text><rect x="150" y="\d+" width="(\d+)"',
                              page))
-    assert (int(widths["params before"]), int(widths["params after"])) == (19, 150)
-    assert page.count("params/decoder/layers/") == 7  # every changed parameter row: nothing folded away
+    assert (int(widths["model before"]), int(widths["model after"])) == (19, 150)
+    assert page.count("model/decoder/layers/") == 7  # every changed parameter row: nothing folded away
     assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed), "--format", "html"]) == 1
     assert capsys.readouterr().out == page  # deterministic
     assert main(["diff", "golden", "golden", "--format", "html", "--max-chars", "5000"]) == 2

@@ -9,7 +9,7 @@ from sharding_dump.commands.pictures import memory_chart, memory_svg, split_grid
 CASE = ["--model", "llama2-7b", "--topology", "tpu7x-2048", "--rule", "default", "ici_fsdp_parallelism=-1",
         "ici_tensor_parallelism=8"]
 FOLDER = REPO / "golden/llama2-7b/tpu7x-2048/slice_1/rule_default_ici_fsdp_parallelism=-1_ici_tensor_parallelism=8"
-WI_0 = "params/decoder/layers/mlp/wi_0/kernel"
+WI_0 = "model/decoder/layers/mlp/wi_0/kernel"
 
 
 def test_show_tensor_draws_the_golden_layout(capsys):
@@ -31,7 +31,7 @@ def test_show_tensor_unknown_path_is_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert "--tensor 'params/nope': no such leaf in llama2-7b/tpu7x-2048/slice_1/" in captured.err
-    assert "(leaves like params/decoder/" in captured.err  # the parameters first
+    assert "(leaves like model/decoder/" in captured.err  # the parameters first
 
 
 def test_replicated_tensor_has_no_grid():
@@ -66,7 +66,7 @@ def test_memory_chart_only_when_memory_moved():
     chart = memory_chart({"params": (3 * 2**20, 2**20), "step": (4, 4), "total": (3 * 2**20 + 4, 2**20 + 4)})
     assert '    y-axis "MiB per device, from 0" 0 --> 3.00' in chart and "step" not in chart  # 4 bytes: not drawn
     assert "    bar [3.00, 0]\n    bar [0, 1.00]" in chart  # before grey, after blue
-    assert '    x-axis ["params before 3.0 MiB", "params after 1.0 MiB"]' in chart
+    assert '    x-axis ["model before 3.0 MiB", "model after 1.0 MiB"]' in chart
 
 
 def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import LINEN, REPO, compare_maxtext_tool, linen_golden, matrix_folders, sweep_beyond_first
+from helpers import LINEN, LINEN_ARGS, REPO, compare_maxtext_tool, linen_golden, matrix_folders, sweep_beyond_first
 from sharding_dump.commands.cli import main
 from sharding_dump.core.state import parameter_count
 from sharding_dump.zoo import cards, state
@@ -87,9 +87,6 @@ def test_qwen3_next_attention_output_has_maxtexts_three_names():
 
 
 PIPELINE_REFERENCE = REPO / "tests" / "data" / "maxtext-scan-block-pipelines"
-
-
-LINEN_ARGS = [f"{key}={str(value).lower()}" for key, value in LINEN.items()]
 
 
 def linen_pipeline(model: str, stages: int) -> tuple[str, str]:

@@ -36,8 +36,8 @@ def test_mutated_moe_rule_fails_its_golden_naming_the_expert_weights(mutated_rul
     outcome = check_or_update(mutated_case, REPO / "golden", update=False)
     assert outcome.status == "differs"
     for weight in ("wi_0", "wi_1", "wo"):
-        assert (f"params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/{weight}  "
-                f"(and opt_state/0/mu, opt_state/0/nu)") in outcome.report
+        assert (f"model/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/{weight}  "
+                f"(and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)") in outcome.report
 
 
 def test_every_moe_rule_file_has_a_golden_case():

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import sharding_dump as sd
-from helpers import REPO, assert_bad_input
+from helpers import LINEN_ARGS, REPO, assert_bad_input
 from sharding_dump.commands import cli
 from sharding_dump.core import optimizer as core_opt
 from sharding_dump.core.layout import resolve
@@ -134,7 +134,7 @@ def assert_every_slot_follows_its_parameter(folder, rule_ref: str) -> int:
 
 @pytest.mark.parametrize("optimizer", ["adafactor", "multisteps_adamw"])
 @pytest.mark.parametrize("model,rule,extra", [
-    ("qwen3-0.6b", "default", []),
+    ("qwen3-0.6b", "default", LINEN_ARGS),  # slots as the Linen state lays them out: every axis the rules name
     ("examples.linen_lm:small_lm", "examples/rules.yml", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
 ])
 def test_a_card_and_a_factory_with_your_own_optimizer(tmp_path, monkeypatch, model, rule, extra, optimizer):
@@ -165,14 +165,14 @@ def test_zoo_opt_types_change_the_state_as_in_maxtext(tmp_path):
         return json.loads((folder / "logical_shardings.json").read_text())["tensors"]
 
     sgd = dump("sgd")
-    assert [p for p in sgd if p.startswith("opt_state/")] == ["opt_state/1/count"]
+    assert [p for p in sgd if p.startswith("optimizer/opt_state/")] == ["optimizer/opt_state/1/count"]
     pax = dump("adam_pax")
-    assert {p.split("/")[1] for p in pax if p.startswith("opt_state/")} == {"count", "mu", "nu"}
+    assert {p.split("/")[2] for p in pax if p.startswith("optimizer/opt_state/")} == {"count", "mu", "nu"}
     muon = dump("muon")
-    muon_part = "opt_state/inner_states/muon/inner_state/0/mu/"
-    adam_part = "opt_state/inner_states/adam/inner_state/0/mu/"
+    muon_part = "optimizer/opt_state/inner_states/muon/inner_state/0/mu/"
+    adam_part = "optimizer/opt_state/inner_states/adam/inner_state/0/mu/"
     assert muon[muon_part + "decoder/layers/self_attention/query/kernel"]["logical_axes"] == \
-        muon["params/decoder/layers/self_attention/query/kernel"]["logical_axes"]
+        muon["model/decoder/layers/self_attention/query/kernel"]["logical_axes"]
     assert adam_part + "token_embedder/embedding" in muon and muon_part + "token_embedder/embedding" not in muon
     assert adam_part + "decoder/layers/self_attention/query_norm/scale" in muon
 
@@ -225,7 +225,7 @@ def not_an_optimizer() -> dict:
 def test_zero1_splits_every_optimizer_leaf_of_your_own_optimizer(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     assert cli.main(["--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "default", "ici_data_parallelism=2",
-                     "shard_optimizer_over_data=true", "optimizer=examples.optimizers:adafactor",
+                     "shard_optimizer_over_data=true", "optimizer=examples.optimizers:adafactor", *LINEN_ARGS,
                      "--output-dir", str(tmp_path)]) == 0
     (folder,) = [p.parent for p in tmp_path.rglob("named_shardings.json")]
     named = json.loads((folder / "named_shardings.json").read_text())["tensors"]

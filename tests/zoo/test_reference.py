@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import NNX, REPO
+from helpers import NNX, REPO, linen_golden
 from sharding_dump.errors import BadInput
 from sharding_dump.golden import codec
 from sharding_dump.zoo import reference
@@ -147,8 +147,10 @@ def test_the_call_site_table_is_checked_against_its_schema(tmp_path, monkeypatch
 def test_maxtexts_published_dumps_match_our_goldens_by_name():
     """`compare_reference.py --by-name` over MaxText's published deepseek2-16b dumps: every record with known
     logical axes is found under the names of its call site, in every case."""
+    references = REPO / "tests/data/maxtext/goldens"  # MaxText's Linen build: ours of it, helpers.linen_golden
+    ours = [linen_golden(p.parent.relative_to(references).as_posix()) for p in references.rglob("input_shardings.json")]
     tool = [sys.executable, str(REPO / "tools/compare_reference.py"), "--by-name", "--reference-root",
-            str(REPO / "tests/data/maxtext/goldens"), "--golden-root", str(REPO / "golden")]
+            str(references), "--golden-root", str(ours[0].parents[3])]
     result = subprocess.run(tool, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("21/21 reference activations match") == 8 and result.stdout.endswith("8/8 cases match\n")
