@@ -31,8 +31,8 @@ def test_settings_are_taken_anywhere_on_the_command_line(tmp_path, capsys):
     arguments): the case is the one with the settings at the end, its golden byte for byte (mutation:
     `parse_args` instead of `parse_intermixed_args` in cli.run, exit 2)."""
     assert main(["--model", "llama2-7b", "ici_data_parallelism=2", "--topology", "v5p-8", "--golden-dir", str(tmp_path),
-                 "shard_optimizer_over_data=true", "--rule", "default", "opt_type=adam_pax"]) == 0, capsys.readouterr()
-    folder = "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_shard_optimizer_over_data=true_opt_type=adam_pax"
+                 "shard_optimizer_over_data=true", "--rule", "default", "opt_type=adam_pax", "maxtext_version=0.2.4"]) == 0, capsys.readouterr()
+    folder = "llama2-7b/v5p-8/slice_1/rule_default_ici_data_parallelism=2_maxtext_version=0.2.4_shard_optimizer_over_data=true_opt_type=adam_pax"
     assert tree_bytes(tmp_path / folder) == tree_bytes(REPO / "golden" / folder)
 def test_maxtext_keys_that_move_no_layout_are_taken_on_the_command_line(tmp_path, capsys):
     """A MaxText user's overrides (MaxText's DeepSeek-V3.2 needs attention=dot_product): the case is the

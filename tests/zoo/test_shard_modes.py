@@ -121,7 +121,7 @@ BAD = [
     ("--model deepseek3-671b --topology tpu7x-2048 shard_mode=explicit",
      "shard_mode=explicit: params/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
      "evenly over ['fsdp', 'context', 'context_usp_ulysses', 'expert'] (2048 shards)"),
-    ("--model gemma3-4b --topology tpu7x-8 shard_mode=explicit",
+    ("--model gemma3-4b --topology tpu7x-8 shard_mode=explicit maxtext_version=0.2.4",
      "shard_mode=explicit: MaxText 0.2.4 does not support decoder block 'gemma3' in explicit mode (blocks it "
      "supports: simple, simple_mlp, llama2, deepseek)"),
     ("--model llama2-7b --topology v5p-8 --rule default ici_data_parallelism=2 shard_optimizer_over_data=true "
