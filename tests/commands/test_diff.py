@@ -9,18 +9,21 @@ import pytest
 from helpers import REPO, run_cli
 from sharding_dump.commands.cli import main
 from sharding_dump.golden import diff
+from sharding_dump.zoo import releases
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 
-PURE_FSDP = REPO / "sharding_dump/rules/pure-fsdp.yml"
+PURE_FSDP = releases.release_of({}).rules_dir / "pure-fsdp.yml"  # the default release's
 
 
 def no_embed_rule(tmp_path, name="no-embed.yml"):
-    """pure-fsdp with `embed` left unsharded: the classic one-line regression."""
+    """pure-fsdp with `embed` (and 0.2.5's `embed_attn`, the attention kernels' embed) left unsharded: the
+    classic regression."""
     text = PURE_FSDP.read_text()
-    assert "  - [embed, [fsdp]]\n" in text
+    assert "  - [embed, [fsdp]]\n" in text and "  - [embed_attn, [fsdp]]\n" in text
     path = tmp_path / name
-    path.write_text(text.replace("  - [embed, [fsdp]]\n", "  - [embed, []]\n"))
+    path.write_text(text.replace("  - [embed, [fsdp]]\n", "  - [embed, []]\n").replace("  - [embed_attn, [fsdp]]\n",
+                                                                                      "  - [embed_attn, []]\n"))
     return str(path)
 
 
@@ -65,12 +68,12 @@ def test_two_rules_markdown_names_tensors_specs_and_bytes(capsys, no_embed):
     assert "21 tensors changed, 0 added, 0 removed" in out
     rows = markdown_rows(out)
     # memory per device first: in the summary, then every part before and after in the case's block
-    assert out.index("params/device") < out.index("| memory per device ") < out.index("| tensor ")
-    assert rows["params"] == ["params", "3.1 GiB", "24.2 GiB", "+21.1 GiB (+673%)"]
+    assert out.index("model/device") < out.index("| memory per device ") < out.index("| tensor ")
+    assert rows["model"] == ["model", "3.1 GiB", "24.2 GiB", "+21.1 GiB (+673%)"]
     assert rows["activations"] == ["activations", "9.2 GiB", "9.2 GiB", "0"]
-    assert rows["`params/decoder/layers/mlp/wi_0/kernel` (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)"][1:] == [
+    assert rows["`model/decoder/layers/mlp/wi_0/kernel` (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)"][1:] == [
         '`["fsdp",null,null]`', "`[null,null,null]`", "688.0 MiB", "5.4 GiB"]
-    tensors = [name for name in rows if name.startswith("`params/")]
+    tensors = [name for name in rows if name.startswith("`model/")]
     assert len(tensors) == 7 and not any("token_embedder" in name for name in rows)  # embed_vocab kept fsdp
     assert "|---" in out or "|:--" in out  # a real table, ready to paste
 
@@ -108,7 +111,7 @@ def test_golden_trees_paired_by_case(tmp_path, capsys, no_embed):
     wi0 = next(t for t in changed["tensors"] if t["tensor"] == "model/decoder/layers/mlp/wi_0/kernel")
     assert (wi0["old_spec"], wi0["new_spec"]) == (["fsdp", None, None], [None, None, None])
     assert (wi0["old_per_device_bytes"], wi0["new_per_device_bytes"]) == (721420288, 5771362304)
-    assert wi0["slots"] == ["opt_state/0/mu", "opt_state/0/nu"]
+    assert wi0["slots"] == ["optimizer/opt_state/0/mu", "optimizer/opt_state/0/nu"]
     main(["diff", str(old), str(new), "--format", "json"])
     assert capsys.readouterr().out == first  # deterministic
     assert main(["diff", str(old), str(new)]) == 1
@@ -225,8 +228,8 @@ def test_markdown_of_a_rule_mutation_charts_memory_per_device(capsys, no_embed):
     chart = out.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert chart.splitlines()[1:] == [
         "xychart-beta horizontal", '    title "Memory per device, before (grey) and after (blue)"',
-        '    x-axis ["model before 3.1 GiB", "model after 24.2 GiB", "opt_state before 6.3 GiB", '
-        '"opt_state after 48.5 GiB", "activations before 9.2 GiB", "activations after 9.2 GiB"]',
+        '    x-axis ["model before 3.1 GiB", "model after 24.2 GiB", "optimizer before 6.3 GiB", '
+        '"optimizer after 48.5 GiB", "activations before 9.2 GiB", "activations after 9.2 GiB"]',
         '    y-axis "GiB per device, from 0" 0 --> 48.50',
         "    bar [3.14, 0, 6.28, 0, 9.19, 0]", "    bar [0, 24.25, 0, 48.50, 0, 9.19]"]
     assert main(["diff", str(REPO / "golden" / PURE_FSDP_CASE), str(no_embed)]) == 1
@@ -268,7 +271,7 @@ def test_html_report_is_a_standalone_page_with_the_chart(tmp_path, capsys, no_em
 
     Tags().feed(page)
     assert opened == [] and page.startswith("<!DOCTYPE html>") and "<script" not in page
-    widths = dict(re.findall(r'<text x="0" y="\d+" font-size="13">(params \w+)</text><rect x="150" y="\d+" width="(\d+)"',
+    widths = dict(re.findall(r'<text x="0" y="\d+" font-size="13">(model \w+)</text><rect x="150" y="\d+" width="(\d+)"',
                              page))
     assert (int(widths["model before"]), int(widths["model after"])) == (19, 150)
     assert page.count("model/decoder/layers/") == 7  # every changed parameter row: nothing folded away
