@@ -66,7 +66,7 @@ def test_memory_chart_only_when_memory_moved():
     chart = memory_chart({"params": (3 * 2**20, 2**20), "step": (4, 4), "total": (3 * 2**20 + 4, 2**20 + 4)})
     assert '    y-axis "MiB per device, from 0" 0 --> 3.00' in chart and "step" not in chart  # 4 bytes: not drawn
     assert "    bar [3.00, 0]\n    bar [0, 1.00]" in chart  # before grey, after blue
-    assert '    x-axis ["model before 3.0 MiB", "model after 1.0 MiB"]' in chart
+    assert '    x-axis ["params before 3.0 MiB", "params after 1.0 MiB"]' in chart
 
 
 def test_show_tensor_draws_an_activation_as_its_golden_records_it(capsys):
