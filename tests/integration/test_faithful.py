@@ -12,6 +12,7 @@ from sharding_dump.commands import cli
 from sharding_dump.core.layout import leaves
 from sharding_dump.errors import BadInput
 from sharding_dump.zoo import cards, state
+from sharding_dump.zoo import releases
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import dump_case, setup_case
 from sharding_dump.zoo.matrix import load_matrix
@@ -88,11 +89,11 @@ def test_card_rules_apply_on_the_base_rules_only():
     default = setup_case(Case.make("llama2-7b", "v5p-16", "default")).rule_set
     assert dict(default.logical_axis_rules)["norm"] == "fsdp"
     custom = setup_case(Case.make("llama2-7b", "v5p-16", "pure-fsdp")).rule_set
-    assert custom.logical_axis_rules == load_rule("pure-fsdp").logical_axis_rules
+    assert custom.logical_axis_rules == load_rule("pure-fsdp", releases.release_of({}).rules_dir).logical_axis_rules
     case = Case.make("llama2-7b", "v5p-16", "pure-fsdp")
     assert case in load_matrix()  # so its golden is checked against a fresh dump
     named = committed_golden(case, "named_shardings.json")["tensors"]
-    assert named["params/decoder/decoder_norm/scale"]["partition_spec"] == [None]
+    assert named["model/decoder/decoder_norm/scale"]["partition_spec"] == [None]
 
 
 def plan(topology: str, num_slices: int = 1, rule: str = "default", **overrides):
@@ -149,7 +150,7 @@ def test_uneven_splits_warn_on_stderr_and_still_dump(tmp_path, capsys):
     (line,) = captured.err.splitlines()
     assert line.startswith("sharding-dump: warning: deepseek3-671b/tpu7x-2048/slice_1/rule_default: 66 leaves do "
                            "not split evenly"), line
-    assert "params/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (embed) of size 7168 over fsdp=2048" in line
+    assert "model/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (embed) of size 7168 over fsdp=2048" in line
     status = cli.main(["--model", "llama2-7b", "--topology", "v5p-8", "--rule", "default", "--output-dir", str(out)])
     assert status == 0 and capsys.readouterr().err == ""
 
@@ -161,7 +162,7 @@ def test_check_reports_the_uneven_embed():
                 if f.lint == "divisibility"]
     assert len(findings) == 22  # 22 parameters, their AdamW moments folded under them
     subjects = {f.subject for f in findings}
-    assert "params/decoder/dense_layers/mlp/wi_0/kernel (and opt_state/0/mu, opt_state/0/nu)" in subjects
+    assert "model/decoder/dense_layers/mlp/wi_0/kernel (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)" in subjects
     assert any("dim 0 (embed) of size 7168 is split over fsdp=2048" in f.message for f in findings)
 
 
