@@ -14,8 +14,9 @@ import pytest
 from helpers import REPO
 from sharding_dump.commands.cli import main
 from sharding_dump.golden.engine import MAX_REPORT_LINES
+from sharding_dump.zoo import releases
 
-DEFAULT_RULE = (REPO / "sharding_dump/rules/default.yml").read_text()
+DEFAULT_RULE = (releases.release_of({}).rules_dir / "default.yml").read_text()  # the default release's
 BATCH_LINE = "  - [activation_batch, [data, fsdp, fsdp_transpose, expert]]\n"
 ACT_CASE = "qwen3-0.6b/cpu-8/slice_1/rule_mine"
 
@@ -72,7 +73,7 @@ def test_activation_blow_up_leads_the_failing_test_and_the_comment(activations_b
     assert report[0].startswith(f"{ACT_CASE}: the dump differs from the golden in goldens/{ACT_CASE}")
     assert report[1].split() == ["memory", "per", "device", "golden", "now", "change"]
     parts = {line.split()[0]: line.split()[1:] for line in report[2:6]}
-    assert parts["params"][-1] == "0" and parts["opt_state"][-1] == "0"  # parameters did not move
+    assert parts["model"][-1] == "0" and parts["optimizer"][-1] == "0"  # parameters did not move
     before, after = " ".join(parts["activations"][:2]), " ".join(parts["activations"][2:4])
     # every activation but the logits (their own batch rule) holds 8x the batch per device
     assert (before, after) == ("15.7 GiB", "22.9 GiB") and parts["activations"][4:] == ["+7.2", "GiB", "(+46%)"]
@@ -99,13 +100,13 @@ def test_fail_on_growth_decides_the_exit_status(activations_blown, capsys):
     assert err == (f"sharding-dump diff: memory per device grew beyond --fail-on-growth: {ACT_CASE}: "
                    "activations 15.7 GiB -> 22.9 GiB (+7.2 GiB (+46%))\n")
     assert main([*diff, "--fail-on-growth", "activations:50%"]) == 0  # grew 46%: within
-    assert main([*diff, "--fail-on-growth", "params:1%", "--fail-on-growth", "opt_state:0%"]) == 0  # did not move
+    assert main([*diff, "--fail-on-growth", "model:1%", "--fail-on-growth", "optimizer:0%"]) == 0  # did not move
     assert main([*diff, "--fail-on-growth", "*:7GiB"]) == 1 and main([*diff, "--fail-on-growth", "*:8GiB"]) == 0
     capsys.readouterr()
     for bad, message in [("activations", "give PART:LIMIT, e.g. activations:10%"),
                          ("activations:ten%", "'ten%' is not a percentage >= 0"),
                          ("activations:10parsecs", "give a size such as 256MiB"),
-                         ("weights:10%", "no part 'weights' in these goldens (parts: params, opt_state, activations")]:
+                         ("weights:10%", "no part 'weights' in these goldens (parts: model, optimizer, activations")]:
         assert main([*diff, "--fail-on-growth", bad]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and message in captured.err and captured.err.count("\n") == 1, bad
