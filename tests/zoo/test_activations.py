@@ -181,7 +181,7 @@ def test_changed_activation_batch_rule_names_the_activations(tmp_path):
     assert "named_shardings.json" not in report and "logical_shardings.json" not in report
     lines = report.splitlines()
     assert lines[1].split() == ["memory", "per", "device", "golden", "now", "change"]
-    assert lines[2].split()[:5] == ["params", "3.1", "GiB", "3.1", "GiB"] and lines[2].endswith("  0")
+    assert lines[2].split()[:5] == ["model", "3.1", "GiB", "3.1", "GiB"] and lines[2].endswith("  0")
     assert lines[4].split() == ["activations", "9.2", "GiB", "37.2", "GiB", "+28.1", "GiB", "(+305%)"]
     assert "activation_shardings.json: 18 activations changed, 0 added, 0 removed" in report
     assert "  forward/decoder/layers/layer_input  (and backward)\n" in report
