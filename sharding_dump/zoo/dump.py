@@ -4,7 +4,7 @@
 >>> docs = dump_case(Case.make("qwen3-0.6b", "tpu7x-16", "pure-fsdp"))
 >>> sorted(docs)
 ['activation_shardings.json', 'logical_shardings.json', 'named_shardings.json']
->>> docs["named_shardings.json"]["tensors"]["params/token_embedder/embedding"]["partition_spec"]
+>>> docs["named_shardings.json"]["tensors"]["model/token_embedder/embedding"]["partition_spec"]
 [None, 'fsdp']
 """
 
