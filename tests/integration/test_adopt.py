@@ -60,7 +60,7 @@ def test_pyproject_alone_is_a_test_suite(project: pytest.Pytester, capsys: pytes
     broken.assert_outcomes(failed=1, passed=2)
     out = broken.stdout.str()
     assert f"FAILED pyproject.toml::{TP_CASE}" in out and DP_CASE not in out.split("short test summary")[1]
-    assert "params/decoder/layers/mlp/wi_0/kernel  (and opt_state/0/mu, opt_state/0/nu)" in out
+    assert "model/decoder/layers/mlp/wi_0/kernel  (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)" in out
     assert 'partition_spec    golden [null,null,"model"]  now [null,null,null]' in out
 
 
