@@ -96,17 +96,6 @@ def release_of(values: Mapping[str, Any]) -> Release:
     return release(str(value_of(values, SETTING)))
 
 
-def nnx_build(values: Mapping[str, Any]) -> bool:
-    """True when the case's settings build MaxText's NNX build: a release whose builds are NNX only (0.2.5)
-    always; one with both (0.2.4) unless every one of its NNX keys is false (each is true by default), as
-    MaxText's own sharding tests give `pure_nnx=False enable_nnx=False pure_nnx_decoder=False` for its
-    Linen build."""
-    rel = release_of(values)
-    if "linen" not in rel.builds:
-        return True
-    return any(values.get(key, True) is not False for key in rel.nnx_keys)
-
-
 def rule_dirs() -> tuple[Path, ...]:
     """The rule folder of every release, each once."""
     return tuple(dict.fromkeys(r.rules_dir for r in releases().values()))
