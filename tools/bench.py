@@ -93,16 +93,23 @@ def unique_traces(cases: list) -> tuple[int, float]:
     """(distinct training steps, seconds to trace each once): what `--all` cannot do in less time on
     one core. Each case's setup and abstract state are built first and not counted. Steps are told
     apart as `--all` tells them apart: by their inputs, without the rule file where the trace's rules
-    reached it only as constrain()'s specs (sharding_dump.zoo.dump.step_reading)."""
+    reached it only as constrain()'s specs (sharding_dump.zoo.dump.step_reading). A serving case counts
+    the trace of its steps (prefill, insert, generate), once."""
     import jax
 
     from sharding_dump.core.capture import read_constraints
+    from sharding_dump.zoo import serving
     from sharding_dump.zoo.dump import abstract_state_of, setup_case, trace_case
 
     seconds: dict[tuple, float] = {}
     with jax.numpy_dtype_promotion("standard"):
         for case in cases:
             setup = setup_case(case)
+            if serving.serves(case):
+                start = time.perf_counter()
+                serving.traced_of(setup)
+                seconds[("serving", case.label)] = time.perf_counter() - start
+                continue
             free = setup.shared_step_inputs()
             if setup.step_inputs() in seconds or free in seconds:
                 continue

@@ -112,10 +112,10 @@ def setup_case(case: Case) -> CaseSetup:
         config, pipeline = None, None
         _check_factory_settings(case, values, plan)
     else:
+        nnx = releases.nnx_build(values)
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"], segment_ids=releases.nnx_build(values),
-                                   **case.release.model)
-        releases.check_build(case.release, releases.nnx_build(values), values["shard_optimizer_over_data"],
+                                   sparse_matmul=values["sparse_matmul"], segment_ids=nnx, **case.release.model)
+        releases.check_build(case.release, nnx, values["shard_optimizer_over_data"],
                              config.decoder_block, plan.sizes.get("tensor", 1))
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))

@@ -7,7 +7,7 @@ from helpers import assert_bad_input, committed_golden, matrix_setups, sweep_bey
 from sharding_dump.core.documents import golden_documents
 from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import check_document
-from sharding_dump.zoo import state
+from sharding_dump.zoo import serving, state
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.dump import case_layouts, header
 from sharding_dump.zoo.matrix import load_matrix
@@ -15,8 +15,9 @@ from sharding_dump.zoo.matrix import load_matrix
 MATRIX = load_matrix()
 SETUPS = matrix_setups()
 ZERO1_CASES = [c for c in MATRIX if SETUPS[c.label].values["shard_optimizer_over_data"]]
-# Explicit mode for the decoder blocks the case's MaxText release accepts in it (data/maxtext_releases.yml).
-AUTO_CASES = [c for c in MATRIX if not SETUPS[c.label].explicit
+# Explicit mode for the decoder blocks the case's MaxText release accepts in it (data/maxtext_releases.yml);
+# not for a served card, which explicit mode refuses (MaxEngine runs its decoder on Auto axes).
+AUTO_CASES = [c for c in MATRIX if not SETUPS[c.label].explicit and not serving.serves(c)
               and SETUPS[c.label].config.decoder_block in c.release.explicit_blocks]
 EXPLICIT_CASES = [c for c in MATRIX if SETUPS[c.label].explicit]
 

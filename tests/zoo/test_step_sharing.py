@@ -17,13 +17,15 @@ import yaml
 from helpers import REPO, sweep_beyond_first
 from sharding_dump.errors import BadInput
 from sharding_dump.golden.codec import render
-from sharding_dump.zoo import dump
+from sharding_dump.zoo import dump, serving
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.matrix import load_matrix
 
 TRACE_CASE = dump.trace_case  # the harness's own, before a test counts its calls
 # A card's cases, the first one under the default rule file (whose repeated names reversing reorders).
-CARD_CASES = sorted((c for c in load_matrix() if c.model_ref.kind != "factory"), key=lambda c: c.rule != "default")
+# Cards trained by the zoo's step (a served card traces its serving steps instead).
+CARD_CASES = sorted((c for c in load_matrix() if c.model_ref.kind != "factory" and not serving.serves(c)),
+                    key=lambda c: c.rule != "default")
 
 
 def reversed_rules(case: Case, folder: Path) -> Case:
