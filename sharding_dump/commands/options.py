@@ -172,7 +172,7 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
             raise BadInput(f"missing {', '.join(missing)}" + (" (or use --all)" if hasattr(args, "all") else ""))
         if getattr(args, "cases", None):
             raise BadInput("--cases names the case files of --all: give --all, or drop --cases")
-        overrides, notes = _layout_neutral(parse_assignments(args.settings), project.resolve("model", args.model))
+        overrides, notes = _layout_neutral(parse_assignments(args.settings))
         if verb == "verifies":
             for note in notes:
                 print(f"sharding-dump: warning: {one_line(note)}", file=sys.stderr, flush=True)
@@ -186,14 +186,14 @@ def cases_of(args: argparse.Namespace, verb: str, project: Project) -> list[Case
     return cases
 
 
-def _layout_neutral(assignments: dict[str, str], model: str) -> tuple[dict[str, str], list[str]]:
+def _layout_neutral(assignments: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """maxtext_config.layout_neutral, read (with MaxText's key table) only when KEY=VALUE are given:
     a plain `--model` dump reads no MaxText data."""
     if not assignments:
         return {}, []
     from sharding_dump.zoo import maxtext_config
 
-    return maxtext_config.layout_neutral(assignments, model)
+    return maxtext_config.layout_neutral(assignments)
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

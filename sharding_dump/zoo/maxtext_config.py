@@ -725,13 +725,13 @@ def _tensor_parallelism(values: Mapping[str, Any]) -> int:
     return size
 
 
-def layout_neutral(assignments: Mapping[str, str], model: str | None = None) -> tuple[dict[str, str], list[str]]:
+def layout_neutral(assignments: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     """KEY=VALUE of a `--model` case split into the zoo's settings and MaxText keys that move no layout
     (`ignore` in data/maxtext_keys.yml: `attention=dot_product`, `sa_block_q=256`, ...), which the case
     takes as MaxText does and drops, as they change none of its documents; any other MaxText key is refused
-    saying why, and so is a case the NNX build asked for places otherwise (`model`: the case's --model,
-    whose decoder block that check reads). Also one note for each that `verify` compiles otherwise (the
-    `compiled` keys)."""
+    saying why. Also one note for each that `verify` compiles otherwise (the `compiled` keys). The settings
+    kept are the case's: Case.make checks their values, and setup_case the build they ask for (the
+    release's cases its NNX build places otherwise), with the mesh as the rule file sizes it."""
     from sharding_dump.zoo import settings
 
     table = key_table()
@@ -754,18 +754,6 @@ def layout_neutral(assignments: Mapping[str, str], model: str | None = None) -> 
             problems.append((key, f"{key}={value}: not supported: {refusal.why} (the zoo builds "
                                   f"{key}={_text(refusal.supported)})"))
     _refused(problems)
-    nnx = releases.nnx_build({releases.SETTING: release.version,
-                              **parse_command_line([f"{k}={assignments[k]}" for k in release.nnx_keys if k in assignments])})
-    if nnx:
-        given = parse_command_line([f"{k}={v}" for k, v in assignments.items() if table.kind.get(k) == "settings"])
-        block = None
-        if model is not None:
-            from sharding_dump.zoo import cards
-            from sharding_dump.zoo.model_ref import parse_model_ref
-
-            block = cards.load_config(model).decoder_block if parse_model_ref(model).kind != "factory" else None
-        releases.check_build(release, nnx, given.get("shard_optimizer_over_data") is True, block,
-                             _tensor_parallelism(given))
     kept = {k: v for k, v in assignments.items() if table.kind.get(k) not in ("ignore", "refuse")}
     notes = [f"{key}={value}: verify compiles the zoo's step with {key}={_text(table.compiled[key][0])}, so its "
              f"memory and collectives are not those of this value"
