@@ -137,6 +137,14 @@ def block_class(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def block_lineage(name: str) -> tuple[str, ...]:
+    """Decoder block `name`, then the blocks its class derives from, nearest first: the `decoder_block` each
+    class of its MRO names itself (an installed family subclassing a shipped block's class inherits that
+    block's name, so its entry point's name comes first and the shipped block's after it)."""
+    named = [klass.__dict__["decoder_block"] for klass in block_class(name).__mro__ if "decoder_block" in klass.__dict__]
+    return tuple(dict.fromkeys([name, *named]))
+
+
 @functools.cache
 def _shipped_block(name: str) -> Block | None:
     """Decoder block `name` of this package as :func:`_shipped_blocks` holds it, with only its own

@@ -46,12 +46,18 @@ class Release:
     rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
     rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
 
-    def rng_modules(self, block: str) -> tuple[str, ...]:
-        """The module patterns of decoder `block` that keep RNG state in the release's NNX build."""
-        if block not in self.rngs:
-            raise BadInput(f"decoder block {block!r}: which of its modules keep RNG state in MaxText {self.version}'s "
-                           f"NNX build is not known ({RELEASES_FILE.name} builds/nnx_state/rngs)")
-        return self.rngs[block]
+    def rng_modules(self, lineage: Sequence[str]) -> tuple[str, ...]:
+        """The module patterns that keep RNG state in the release's NNX build, those of the first decoder
+        block of `lineage` the release names (a block, then the blocks its class derives from:
+        cards.block_lineage). A family of a user's own, derived from a shipped block's class, builds that
+        block's modules, so it keeps its RNG state where that block does."""
+        for block in lineage:
+            if block in self.rngs:
+                return self.rngs[block]
+        raise BadInput(f"decoder block {lineage[0]!r}: which of its modules keep RNG state in MaxText "
+                       f"{self.version}'s NNX build is not known: neither it nor a block its class derives from is "
+                       f"in {RELEASES_FILE.name} builds/nnx_state/rngs ({', '.join(sorted(self.rngs))}); derive its "
+                       f"class from one of theirs, or dump the Linen build: {linen_build()}")
 
     def bias_is_state(self, model_name: str) -> bool:
         """True when the release keeps the routed `gate/bias` of `model_name` as model state, not a
@@ -121,6 +127,13 @@ def missing_model(name: str) -> str | None:
     return None
 
 
+def linen_build() -> str:
+    """The settings that give MaxText's Linen build, as MaxText's own sharding tests ask for it: the release
+    that has one, its build keys false."""
+    rel = next(r for r in releases().values() if "linen" in r.builds)
+    return " ".join([f"{SETTING}={rel.version}", *(f"{key}=false" for key in rel.nnx_keys)])
+
+
 def nnx_build(values: Mapping[str, Any]) -> bool:
     """Whether MaxText builds its NNX state for a case's settings (`values`, setting -> value), as MaxText
     honours `pure_nnx`, `enable_nnx` and `pure_nnx_decoder`: a release with one build has it (0.2.5: NNX;
@@ -164,8 +177,7 @@ def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, 
         else:
             continue
         raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build ({'/'.join(rel.nnx_keys)} true): "
-                       f"{case['why']}, which sharding-dump does not build; give its Linen build: "
-                       f"{' '.join(f'{k}=false' for k in rel.nnx_keys)}")
+                       f"{case['why']}, which sharding-dump does not build; give its Linen build: {linen_build()}")
 
 
 FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it

@@ -23,7 +23,7 @@ from sharding_dump.commands import cli
 from sharding_dump.core.layout import leaves
 from sharding_dump.core.state import parameter_count
 from sharding_dump.errors import BadInput
-from sharding_dump.zoo import cards, state
+from sharding_dump.zoo import cards, rules, state
 from sharding_dump.zoo.cards import honoured_fields, load_card, resolve_model
 from sharding_dump.zoo.case import Case
 from sharding_dump.zoo.goldens import check_or_update
@@ -298,6 +298,7 @@ def test_installed_package_registers_family_and_cards(installed_plugin, tmp_path
     assert "tiny-plugin-lm" in cards.model_names() and "tiny_family" in cards.decoder_blocks()
     cfg = cards.load_config("tiny-plugin-lm")
     assert type(cards.build_model(cfg)).__name__ == "TinyFamilyLM"
+    assert cards.block_lineage("tiny_family") == ("tiny_family", "llama2")  # the shipped block its class derives from
     assert count(cfg) == PLUGIN_PARAMS
     every = cards.model_names
     monkeypatch.setattr(cards, "model_names", lambda: [n for n in every() if n in {"tiny-plugin-lm", "qwen3-0.6b"}])
@@ -321,8 +322,11 @@ def test_installed_card_dumps_from_the_command_line(installed_plugin, tmp_path, 
     assert status == 0, capsys.readouterr().err
     named = json.loads((tmp_path / "out/tiny-plugin-lm/cpu-4/slice_1/rule_default/named_shardings.json").read_text())
     assert named["case"]["model"] == "tiny-plugin-lm"
-    params = [t["shape"] for path, t in named["tensors"].items() if path.startswith("params/")]
+    params = [t["shape"] for path, t in named["tensors"].items() if rules.parameter(path) is not None]
     assert sum(int(np.prod(shape)) for shape in params) == PLUGIN_PARAMS
+    # MaxText's NNX build (the default) keeps RNG state where the llama2 block its class derives from does.
+    rngs = sorted({path.split("/rngs/")[0] for path in named["tensors"] if "/rngs/" in path})
+    assert rngs == ["model/decoder", "model/decoder/layers/self_attention"]
 
 
 # --- the new golden cases catch a rule edit ------------------------------------------------------

@@ -248,3 +248,16 @@ def test_a_modules_rng_state_is_flax_nnx_rngs_state():
     stacked = jax.eval_shape(jax.vmap(lambda k: nnx.to_pure_dict(nnx.state(nnx.Rngs(**{s: k for s in streams})))),
                              jax.ShapeDtypeStruct((28,), jax.random.key(0).dtype))
     assert shapes(state.rng_state((28,), streams)) == shapes(stacked)
+
+
+def test_a_block_the_release_does_not_name_keeps_the_rng_state_of_the_block_its_class_derives_from():
+    """A user's family is no block of the release's data: its RNG modules are those of the first block of its
+    lineage (cards.block_lineage) that the release names; with none, one line naming how to go on."""
+    rel = releases.release("0.2.5")
+    assert rel.rng_modules(("tiny_family", "llama2")) == rel.rngs["llama2"]
+    assert rel.rng_modules(("qwen3", "llama2")) == rel.rngs["qwen3"]  # a block the release names is its own
+    with pytest.raises(BadInput, match=r"^decoder block 'tiny_family': which of its modules keep RNG state in MaxText "
+                                       r"0\.2\.5's NNX build is not known: .* derive its class from one of theirs, or "
+                                       r"dump the Linen build: maxtext_version=0\.2\.4 enable_nnx=false "
+                                       r"pure_nnx_decoder=false pure_nnx=false$"):
+        rel.rng_modules(("tiny_family",))
