@@ -57,6 +57,26 @@ def test_release_case_matches_maxtexts_nnx_dump_by_path(entry, tmp_path):
     assert " 0 differ, 0 only in reference, 0 only in ours; (shape, spec) multiset remainder 0 + 0" in report
 
 
+def test_the_new_rule_as_typed_writes_maxtext_025s_dump(tmp_path, capsys):
+    """`sharding-dump --model qwen3-0.6b --topology tpu7x-16 --rule fsdp-as-dp-for-attn`, no release named: the
+    default, MaxText 0.2.5 as it ships (its NNX build, its seventh rule file), writes MaxText 0.2.5's own dump of
+    that case by path, every leaf and every activation record with known axes."""
+    from sharding_dump.commands.cli import main
+    from sharding_dump.golden import codec
+    from sharding_dump.zoo import reference
+
+    assert main(["--model", "qwen3-0.6b", "--topology", "tpu7x-16", "--rule", "fsdp-as-dp-for-attn",
+                 "--output-dir", str(tmp_path)]) == 0, capsys.readouterr().err
+    ours = tmp_path / "qwen3-0.6b/tpu7x-16/slice_1/rule_fsdp-as-dp-for-attn"
+    theirs = RELEASES / "0.2.5" / ours.relative_to(tmp_path)
+    ok, report = compare_maxtext_tool()["compare"](theirs, ours)
+    assert ok and " 0 differ, 0 only in reference, 0 only in ours; (shape, spec) multiset remainder 0 + 0" in report, \
+        report
+    result = reference.compare(reference.load_reference(theirs / "input_shardings.json"),
+                               codec.read_document(ours / "activation_shardings.json"), reference.call_sites())
+    assert result.ok and result.checked == CHECKED["qwen3-0.6b", "fsdp-as-dp-for-attn"], result.report("as typed")
+
+
 # Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline, as
 # 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
 PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
