@@ -20,6 +20,7 @@ from sharding_dump.golden import codec
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 from sharding_dump.zoo.matrix import load_matrix
+from sharding_dump.zoo.releases import linen_build, linen_settings
 from sharding_dump.zoo.mesh import MeshPlan, plan_mesh
 from sharding_dump.zoo.rules import load_rule
 from sharding_dump.zoo.settings import parse_overrides, resolve
@@ -31,8 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 NNX = {"maxtext_version": "0.2.4"}
 # The settings that choose e591f30's Linen build, as MaxText's own sharding tests give them: the build every
 # MaxText dump under tests/data/maxtext/ (goldens/, blocks/, pipelines/) was made of.
-LINEN = {"maxtext_version": "0.2.4", "enable_nnx": False, "pure_nnx_decoder": False, "pure_nnx": False}
-LINEN_ARGS = [f"{key}={str(value).lower()}" for key, value in LINEN.items()]  # as KEY=VALUE on the command line
+# (tests/zoo/test_releases.py pins them: maxtext_version=0.2.4 enable_nnx=false pure_nnx_decoder=false pure_nnx=false)
+LINEN = linen_settings()
+LINEN_ARGS = linen_build().split()  # as KEY=VALUE on the command line
 
 # A repository adopting sharding-dump (tests/integration/test_adopt.py, test_wheel.py): [tool.sharding-dump]
 # of its pyproject.toml, two rule files with mesh axes of its own naming, and its case file.

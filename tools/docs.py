@@ -139,9 +139,33 @@ def _reference_case(folder: Path) -> str:
     return " ".join([topology, case["rule"], *overrides])
 
 
+def _matrix_golden_of_linen() -> dict[str, Path]:
+    """Our golden folder of each matrix case, by the folder name of the same case as MaxText's Linen build
+    (releases.linen_settings added to its overrides), which MaxText's Linen dumps under tests/data/maxtext/
+    are kept under."""
+    from sharding_dump.errors import BadInput
+    from sharding_dump.zoo.case import Case, golden_dir
+    from sharding_dump.zoo.matrix import load_matrix
+    from sharding_dump.zoo.releases import linen_settings
+
+    out = {}
+    for case in load_matrix():
+        try:
+            linen = Case.make(case.model, case.topology, case.rule, case.num_slices,
+                              {**dict(case.overrides), **linen_settings()})
+        except BadInput:  # a case of the NNX build only (0.2.5's serving)
+            continue
+        out[golden_dir(linen, Path("/")).relative_to("/").as_posix()] = golden_dir(case, REPO / "golden")
+    return out
+
+
 def maxtext_configs_page() -> str:
+    from sharding_dump.zoo.releases import linen_build
+
     configs = _yaml(MAXTEXT_MODELS)["configs"]
-    golden = {p.parent.relative_to(MAXTEXT_BLOCKS).parts[0]: _reference_case(p.parent)
+    matrix = _matrix_golden_of_linen()
+    golden = {p.parent.relative_to(MAXTEXT_BLOCKS).parts[0]:
+              _reference_case(matrix[p.parent.relative_to(MAXTEXT_BLOCKS).as_posix()])
               for p in sorted(MAXTEXT_BLOCKS.rglob("named_shardings.json"))}
     published = sorted({p.parent.relative_to(MAXTEXT_GOLDENS).parts[0]: 0
                         for p in MAXTEXT_GOLDENS.rglob("named_shardings.json")})
@@ -163,9 +187,11 @@ def maxtext_configs_page() -> str:
             "`tests/integration/test_maxtext_blocks.py` pins every card to it), and the cases on which the "
             "card's dump was compared with MaxText's own dump of the same case by `tools/compare_maxtext.py` "
             "and found equal: shape and partition spec of every parameter and AdamW leaf, and its logical axes. "
-            "The case marked (golden) is in `sharding_dump/data/cases.yml` and MaxText's dump of it is test data "
+            "The case marked (golden) is in `sharding_dump/data/cases.yml`, and MaxText's dump of it as MaxText's "
+            f"own sharding tests make it, its Linen build (`{linen_build()}` added to the case), is test data "
             "(`tests/data/maxtext/`), so `tests/integration/test_maxtext_blocks.py` repeats that comparison "
-            "on every run. Generated from `tests/data/maxtext/models.yml`.\n\n"
+            "on every run with the zoo's dump of that build; the case's golden is MaxText's NNX build, as "
+            "MaxText 0.2.5 ships it. Generated from `tests/data/maxtext/models.yml`.\n\n"
             + table(["MaxText config", "decoder block", "zoo", "parameters (MaxText's model)",
                      "compared with MaxText's dump on"], rows, right=(3,)) + "\n")
 

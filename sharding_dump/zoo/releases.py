@@ -127,11 +127,16 @@ def missing_model(name: str) -> str | None:
     return None
 
 
-def linen_build() -> str:
+def linen_settings() -> dict[str, Any]:
     """The settings that give MaxText's Linen build, as MaxText's own sharding tests ask for it: the release
     that has one, its build keys false."""
     rel = next(r for r in releases().values() if "linen" in r.builds)
-    return " ".join([f"{SETTING}={rel.version}", *(f"{key}=false" for key in rel.nnx_keys)])
+    return {SETTING: rel.version, **{key: False for key in rel.nnx_keys}}
+
+
+def linen_build() -> str:
+    """:func:`linen_settings` as KEY=VALUE words."""
+    return " ".join(f"{key}={str(value).lower()}" for key, value in linen_settings().items())
 
 
 def nnx_build(values: Mapping[str, Any]) -> bool:
