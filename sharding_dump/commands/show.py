@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print partition specs exactly as the golden holds them (with mesh axes of size 1)")
     parser.add_argument("--tensor", metavar="PATH",
                         help="draw one tensor's split over the mesh: a leaf of the state as the table shows it "
-                             "(e.g. params/decoder/layers/mlp/wi_0/kernel) or an activation as its golden keys it "
+                             "(e.g. model/decoder/layers/mlp/wi_0/kernel) or an activation as its golden keys it "
                              "(forward/..., backward/...): which mesh axes split which dimension, the block each "
                              "device holds")
     options.add_settings_argument(parser)

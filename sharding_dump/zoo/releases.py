@@ -170,8 +170,8 @@ def nnx_build(values: Mapping[str, Any]) -> bool:
 def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, tensor: int = 1,
                 where: str = "") -> None:
     """BadInput when the MaxText keys ask for the release's NNX build (`nnx`) of a case that build places
-    otherwise than the Linen build sharding-dump writes (data/maxtext_releases.yml `nnx_differs`: ZeRO-1
-    on, `zero1`; tensor parallelism `tensor` above 1 for a decoder `block` listed)."""
+    otherwise than sharding-dump builds it (data/maxtext_releases.yml `nnx_differs`: ZeRO-1 on, `zero1`;
+    tensor parallelism `tensor` above 1 for a decoder `block` listed)."""
     if not nnx:
         return
     for case in rel.nnx_differs:
