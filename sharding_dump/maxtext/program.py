@@ -103,9 +103,7 @@ class MaxText:
         layouts = []
         for key_path, sharding in mt.jax.tree_util.tree_leaves_with_path(state_shardings):
             path = path_text(key_path)
-            leaf = arrays[path]
-            if mt.jax.dtypes.issubdtype(leaf.dtype, mt.jax.dtypes.prng_key):  # an RNG key: the words it holds
-                leaf = mt.jax.eval_shape(mt.jax.random.key_data, leaf)
+            leaf = arrays[path]  # an RNG key as the zoo writes one: the typed key (`key<rbg>`, MaxText's impl)
             layouts.append(TensorLayout(path, tuple(leaf.shape), str(leaf.dtype), axes.get(path, ()),
                                         sharding.spec, sizes))
         layouts.sort(key=lambda t: t.path)
@@ -140,20 +138,16 @@ class MaxText:
 
 def _constrained(constraint: Any) -> Any:
     """A constraint as the golden format writes it: a dimension left to XLA (`P.UNCONSTRAINED`,
-    MaxText's pipeline does) unsplit, as the format has no word for it (a limit the docs state); an
-    RNG key (MaxText's pipeline carries one) as the words it holds, as the state's keys are."""
+    MaxText's pipeline does) unsplit, as the format has no word for it (a limit the docs state). An RNG
+    key (MaxText's pipeline carries one) stays the typed key, as the state's keys and the zoo's are."""
     import dataclasses
 
-    import jax
     from jax.sharding import PartitionSpec
 
     spec = constraint.partition_spec
     if any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
         spec = PartitionSpec(*(None if entry is PartitionSpec.UNCONSTRAINED else entry for entry in spec))
         constraint = dataclasses.replace(constraint, partition_spec=spec)
-    if constraint.dtype.startswith("key<"):
-        words = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))  # the default key's words
-        constraint = dataclasses.replace(constraint, shape=(*constraint.shape, *words.shape), dtype=str(words.dtype))
     return constraint
 
 

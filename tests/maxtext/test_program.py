@@ -142,38 +142,14 @@ def known() -> dict:
     return yaml.safe_load((DATA / "known_differences.yml").read_text())
 
 
-def relayout(path: str) -> str:
-    """A path of MaxText's state as the zoo's layout names it (known_differences.yml: layout)."""
-    for old, new in known()["layout"]:
-        if path == old or path.startswith(old):
-            return new + path[len(old):]
-    return path
-
-
-def leaves(doc: dict, key: str, where: Path, relaid: bool) -> dict:
-    """compare_maxtext's leaves of a golden document; a partition spec without its mesh axes of size 1
-    (MaxText 0.2.5's NamedShardings drop them, the zoo writes them: a device holds the same)."""
-    from sharding_dump.core.specs import spec_to_json
-
-    if key == "partition_spec":
-        sizes = dict(zip(doc["mesh"]["axis_names"], doc["mesh"]["axis_sizes"]))
-        doc = {**doc, "tensors": {p: {**t, key: spec_to_json(t[key], len(t["shape"]), sizes)}
-                                  for p, t in doc["tensors"].items()}}
-    found = compare_maxtext_tool()["our_leaves"](doc, key, where, exact=key == "logical_axes")
-    return {relayout(p) if relaid else p: leaf for p, leaf in found.items()}
+def leaves(doc: dict, key: str, where: Path) -> dict:
+    """compare_maxtext's leaves of a golden document."""
+    return compare_maxtext_tool()["our_leaves"](doc, key, where, exact=key == "logical_axes")
 
 
 def difference_text(name: str, path: str, mt: dict, zoo: dict) -> str:
     show = compare_maxtext_tool()["show"]
     return f"{name}:{path}: maxtext {show(mt.get(path))}; zoo {show(zoo.get(path))}"
-
-
-def renamed(leaf: tuple | None) -> tuple | None:
-    """A MaxText logical leaf with the axes known_differences.yml's renamed_axes names as the zoo's."""
-    if leaf is None:
-        return None
-    axes = known()["renamed_axes"]["axes"]
-    return leaf[0], json.dumps([axes.get(a, a) for a in json.loads(leaf[1])], separators=(",", ":"))
 
 
 def why_known(text: str) -> str | None:
@@ -189,13 +165,11 @@ def differences(label: str, docs: dict, zoo_docs: dict, ours: Path) -> tuple[lis
     tool = compare_maxtext_tool()
     report, unknown, explained = [], [], {}
     for name, key in ((NAMED, "partition_spec"), (LOGICAL, "logical_axes")):
-        mt = leaves(docs[name], key, Path(label) / name, relaid=True)
-        zo = leaves(zoo_docs[name], key, ours / name, relaid=False)
+        mt = leaves(docs[name], key, Path(label) / name)
+        zo = leaves(zoo_docs[name], key, ours / name)
         for path in sorted({p for p in mt.keys() & zo.keys() if mt[p] != zo[p]} | (mt.keys() ^ zo.keys())):
             text = difference_text(name, path, mt, zo)
             why = why_known(text)
-            if why is None and key == "logical_axes" and zo.get(path) is not None and renamed(mt.get(path)) == zo[path]:
-                why = known()["renamed_axes"]["why"]
             if why is None:
                 unknown.append(text)
             else:
@@ -231,7 +205,7 @@ def test_a_difference_of_the_zoo_is_named(runner):
     case, zoo = sample()[0]
     zoo, zoo_docs = zoo_documents(zoo)
     changed = copy.deepcopy(zoo_docs)
-    tensor = "params/decoder/layers/mlp/wo/kernel"
+    tensor = "model/decoder/layers/mlp/wo/kernel"
     changed[NAMED]["tensors"][tensor]["partition_spec"] = [None, None, None]
     unknown, _, _ = differences(case.label, dumped(case), changed, Path("golden") / zoo)
     assert unknown == [f"{NAMED}:{tensor}: maxtext shape [11008,32,4096] spec [null,null,\"fsdp\"]; "
