@@ -138,9 +138,12 @@ def block_class(name: str) -> Any:
 
 
 def block_lineage(name: str) -> tuple[str, ...]:
-    """Decoder block `name`, then the blocks its class derives from, nearest first: the `decoder_block` each
-    class of its MRO names itself (an installed family subclassing a shipped block's class inherits that
-    block's name, so its entry point's name comes first and the shipped block's after it)."""
+    """Decoder block `name`, then, for an installed family, the shipped blocks its class derives from,
+    nearest first: the `decoder_block` each class of its MRO names itself (a subclass of a shipped block's
+    class inherits that block's name). A shipped block is itself alone: what MaxText builds for it is
+    data of its own, never its base class's."""
+    if _block(name, "decoder block").entry_point is None:
+        return (name,)
     named = [klass.__dict__["decoder_block"] for klass in block_class(name).__mro__ if "decoder_block" in klass.__dict__]
     return tuple(dict.fromkeys([name, *named]))
 

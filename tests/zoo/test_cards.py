@@ -299,6 +299,7 @@ def test_installed_package_registers_family_and_cards(installed_plugin, tmp_path
     cfg = cards.load_config("tiny-plugin-lm")
     assert type(cards.build_model(cfg)).__name__ == "TinyFamilyLM"
     assert cards.block_lineage("tiny_family") == ("tiny_family", "llama2")  # the shipped block its class derives from
+    assert cards.block_lineage("qwen3_5") == ("qwen3_5",)  # a shipped block never takes its base class's (qwen3_next)
     assert count(cfg) == PLUGIN_PARAMS
     every = cards.model_names
     monkeypatch.setattr(cards, "model_names", lambda: [n for n in every() if n in {"tiny-plugin-lm", "qwen3-0.6b"}])
