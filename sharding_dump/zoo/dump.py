@@ -314,7 +314,7 @@ def maxtext_state(setup: CaseSetup, boxed: Any) -> Any:
     rel = setup.case.release
     bias_state = setup.config.routed_bias and rel.bias_is_state(setup.config.name)
     return state.nnx_state(boxed, state.rng_modules(boxed["params"], rel.rng_modules(cards.block_lineage(setup.config.decoder_block))),
-                           rel.rng_streams, bias_state, _opt_state_without_bias(boxed["params"], setup.optimizer)
+                           rel.rng_streams, rel.rng_key_impl, bias_state, _opt_state_without_bias(boxed["params"], setup.optimizer)
                            if bias_state else None)
 
 

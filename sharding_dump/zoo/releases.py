@@ -44,6 +44,7 @@ class Release:
     choose: Mapping[str, Mapping[str, bool]]  # build -> the values of the keys that choose it
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
     rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
+    rng_key_impl: str  # the PRNG implementation of those keys (jax.random.key's `impl`)
     rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
 
     def rng_modules(self, lineage: Sequence[str]) -> tuple[str, ...]:
@@ -82,6 +83,7 @@ def releases() -> dict[str, Release]:
                                tuple(raw["builds"]["maxtext"]),
                                tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
                                tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
+                               raw["builds"]["nnx_state"]["key_impl"],
                                {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()})
     return out
 

@@ -133,10 +133,11 @@ def rng_paths(state: Mapping[str, Any]) -> list[str]:
             if NNX_RNGS in path.split("/")]
 
 
-def rng_state(stack: tuple[int, ...], streams: Sequence[str]) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
-    """One module's nnx.Rngs as its state holds it: per stream a `count` (uint32) and a typed `key`,
-    stacked over `stack`, never placed (MaxText replicates them)."""
-    key = abstract_key()
+def rng_state(stack: tuple[int, ...], streams: Sequence[str], impl: str) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """One module's nnx.Rngs as its state holds it: per stream a `count` (uint32) and a typed `key` of PRNG
+    implementation `impl` (MaxText's: `key<urbg>` for unsafe_rbg), stacked over `stack`, never placed
+    (MaxText replicates them)."""
+    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
     return {stream: {"count": jax.ShapeDtypeStruct(stack, jnp.uint32),
                      "key": jax.ShapeDtypeStruct(stack + key.shape, key.dtype)} for stream in streams}
 
@@ -176,9 +177,10 @@ def _layer_first(box: nn.Partitioned) -> nn.Partitioned:
 
 
 def nnx_state(state: Mapping[str, Any], rngs: Mapping[tuple[str, ...], tuple[int, ...]],
-              streams: Sequence[str], bias_state: bool = False, opt_state: Any = None) -> dict[str, Any]:
+              streams: Sequence[str], key_impl: str, bias_state: bool = False, opt_state: Any = None) -> dict[str, Any]:
     """MaxText's NNX state of the zoo's boxed state {'params', 'opt_state', 'step'}: {'model': the
-    parameters with the RNG state of each module of `rngs` ({path: stack shape}), 'optimizer':
+    parameters with the RNG state of each module of `rngs` ({path: stack shape}; streams `streams`, keys of
+    PRNG implementation `key_impl`), 'optimizer':
     {'opt_state', 'step'}}. The same parameter and optimizer leaves (the optimizer's slots still name
     their parameter), so every placement is the rules' as before. `bias_state`: the routed biases are
     model state, stacked layer first, and `opt_state` the optimizer's over the other parameters
@@ -194,9 +196,11 @@ def nnx_state(state: Mapping[str, Any], rngs: Mapping[tuple[str, ...], tuple[int
         node = model
         for name in path:
             node = node.setdefault(name, {})
-        node[NNX_RNGS] = rng_state(stack, streams)
+        node[NNX_RNGS] = rng_state(stack, streams, key_impl)
+    step = state["step"]  # nnx.Optimizer's is uint32 (flax/nnx/training/optimizer.py), a Linen TrainState's int32
     return {NNX_MODEL: model, NNX_OPTIMIZER: {"opt_state": state["opt_state"] if opt_state is None else opt_state,
-                                              "step": state["step"]}}
+                                              "step": jax.ShapeDtypeStruct(step.shape, jnp.uint32,
+                                                                           sharding=getattr(step, "sharding", None))}}
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:

@@ -196,6 +196,9 @@ def test_the_zoo_matches_maxtexts_own_code(runner, case, zoo):
     assert not unknown, (f"{case.label} against golden/{zoo}: {len(unknown)} differences not known "
                          "(tests/data/maxtext/program/known_differences.yml):\n  " + "\n  ".join(unknown)
                          + "\n" + "\n".join(report))
+    # Every leaf's dtype too: its bytes per device follow it (an RNG key of MaxText's unsafe_rbg is key<urbg>).
+    theirs, ours = ({p: t["dtype"] for p, t in d[NAMED]["tensors"].items()} for d in (dumped(case), zoo_docs))
+    assert {p: (theirs[p], ours[p]) for p in theirs.keys() & ours.keys() if theirs[p] != ours[p]} == {}
 
 
 def test_a_difference_of_the_zoo_is_named(runner):

@@ -241,13 +241,16 @@ def test_a_modules_rng_state_is_flax_nnx_rngs_state():
     def shapes(tree):
         return jax.tree.map(lambda a: (a.shape, str(a.dtype)), tree)
 
-    streams = releases.release("0.2.5").rng_streams
+    rel = releases.release("0.2.5")
+    streams, impl = rel.rng_streams, rel.rng_key_impl
     theirs = jax.eval_shape(lambda k: nnx.to_pure_dict(nnx.state(nnx.Rngs(**{s: k for s in streams}))),
-                            jax.random.key(0))
-    assert shapes(state.rng_state((), streams)) == shapes(theirs)
+                            jax.random.key(0, impl=impl))
+    assert shapes(state.rng_state((), streams, impl)) == shapes(theirs)
     stacked = jax.eval_shape(jax.vmap(lambda k: nnx.to_pure_dict(nnx.state(nnx.Rngs(**{s: k for s in streams})))),
-                             jax.ShapeDtypeStruct((28,), jax.random.key(0).dtype))
-    assert shapes(state.rng_state((28,), streams)) == shapes(stacked)
+                             jax.ShapeDtypeStruct((28,), jax.random.key(0, impl=impl).dtype))
+    assert shapes(state.rng_state((28,), streams, impl)) == shapes(stacked)
+    # MaxText's keys are unsafe_rbg's (train_compile.py sets jax_default_prng_impl): 4 words, 16 bytes each.
+    assert str(theirs["params"]["key"].dtype) == "key<urbg>"
 
 
 def test_a_block_the_release_does_not_name_keeps_the_rng_state_of_the_block_its_class_derives_from():
