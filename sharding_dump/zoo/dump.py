@@ -294,7 +294,7 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
         return setup, list(serving.traced_of(setup).layouts)
     if setup.explicit and setup.config is not None:
         traced = state.explicit_state(setup.config, setup.plan, setup.rule_set, over_data, setup.optimizer,
-                                      setup.pipeline)
+                                      setup.pipeline, releases.nnx_build(setup.values))
         return setup, state.typed_state_layouts(maxtext_state(setup, traced), setup.plan)
     if _own_init(setup):  # what the program placed itself, then the rules
         return setup, _own_layouts(setup)

@@ -16,7 +16,9 @@ from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 
 RELEASES = REPO / "tests" / "data" / "maxtext" / "releases"
-# (version, model, topology, rule, overrides): MaxText's dump of each is kept under our case's folder name.
+ZERO1_PIPELINE = {"ici_data_parallelism": 2, "ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
+                  "shard_optimizer_over_data": True}
+# (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "default", {}),
@@ -28,6 +30,8 @@ CASES = [
     ("0.2.5", "gpt3-6b", "tpu7x-16", "default", {}),
     ("0.2.5", "gemma4-26b", "tpu7x-16", "default", {}),
     ("0.2.5", "deepseek3.2-671b", "tpu7x-16", "default", {}),  # routed gate/bias as model state
+    # ZeRO-1 in explicit mode: MaxText adds `data` after the size-1 axes are gone, as in auto mode
+    ("0.2.5", "llama2-7b", "v5p-8", "default", {**ZERO1_PIPELINE, "shard_mode": "explicit"}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
@@ -37,8 +41,8 @@ CASES = [
 ]
 
 
-def case_of(version: str, model: str, topology: str, rule: str, overrides: dict) -> Case:
-    return Case.make(model, topology, rule, overrides={**overrides, "maxtext_version": version})
+def case_of(version: str, model: str, topology: str, rule: str, overrides: dict, num_slices: int = 1) -> Case:
+    return Case.make(model, topology, rule, num_slices, {**overrides, "maxtext_version": version})
 
 
 def test_every_reference_of_a_release_is_a_case_here():
