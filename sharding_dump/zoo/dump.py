@@ -114,7 +114,8 @@ def setup_case(case: Case) -> CaseSetup:
     else:
         nnx = releases.nnx_build(values)
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"], segment_ids=nnx, **case.release.model)
+                                   sparse_matmul=values["sparse_matmul"], segment_ids=nnx,
+                                   outside_pipeline=case.release.outside_pipeline if nnx else (), **case.release.model)
         releases.check_build(case.release, nnx, values["shard_optimizer_over_data"],
                              config.decoder_block, plan.sizes.get("tensor", 1))
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))

@@ -45,6 +45,7 @@ class Release:
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
     rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
     rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
+    outside_pipeline: tuple[tuple[str, str], ...]  # its NNX build's (stack, module name) of layers left out of a pipeline
 
     def rng_modules(self, block: str) -> tuple[str, ...]:
         """The module patterns of decoder `block` that keep RNG state in the release's NNX build."""
@@ -76,7 +77,8 @@ def releases() -> dict[str, Release]:
                                tuple(raw["builds"]["maxtext"]),
                                tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
                                tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
-                               {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()})
+                               {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()},
+                               tuple(raw["builds"]["nnx_state"]["outside_pipeline"].items()))
     return out
 
 

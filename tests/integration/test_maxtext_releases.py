@@ -18,6 +18,10 @@ from sharding_dump.zoo.goldens import check_or_update
 RELEASES = REPO / "tests" / "data" / "maxtext" / "releases"
 ZERO1_PIPELINE = {"ici_data_parallelism": 2, "ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
                   "shard_optimizer_over_data": True}
+DEEPSEEK2_PIPELINE = {"ici_pipeline_parallelism": 4, "num_pipeline_microbatches": 4, "pipeline_parallel_layers": 24}
+DEEPSEEK3_PIPELINE = {"dcn_pipeline_parallelism": 4, "ici_expert_parallelism": 8, "num_pipeline_microbatches": 8,
+                      "num_pipeline_repeats": 2, "num_layers_per_pipeline_stage": 7, "scan_layers_per_stage": True,
+                      "pipeline_parallel_layers": 56}
 # (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),
@@ -32,12 +36,16 @@ CASES = [
     ("0.2.5", "deepseek3.2-671b", "tpu7x-16", "default", {}),  # routed gate/bias as model state
     # ZeRO-1 in explicit mode: MaxText adds `data` after the size-1 axes are gone, as in auto mode
     ("0.2.5", "llama2-7b", "v5p-8", "default", {**ZERO1_PIPELINE, "shard_mode": "explicit"}),
+    # DeepSeek's pipeline: the MoE layers it leaves out are `moe_layers_outside_pipeline` in the NNX build
+    ("0.2.5", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
+    ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", DEEPSEEK3_PIPELINE, 4),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
     ("0.2.4", "gemma4-26b", "tpu7x-16", "default", {"ici_tensor_parallelism": 2, "ici_expert_parallelism": 4}),
     ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", {}),
     ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", {}),
+    ("0.2.4", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
 ]
 
 
