@@ -116,6 +116,15 @@ def test_over_data_skips_tensor_even_of_size_1_as_maxtext_does():
         state.over_data(P("fsdp", None), (6, 8), sizes)
 
 
+def test_nnx_build_adds_data_after_dropping_size_one_axes_in_both_modes():
+    """MaxText's NNX build drops the size-1 mesh axes before ZeRO-1 adds `data` (its Linen build keeps them, so a
+    size-1 `tensor` keeps `data` off that dimension); explicit and auto mode share the one function."""
+    sizes = {"data": 2, "fsdp": 4, "tensor": 1}
+    assert state.state_spec(P("tensor", "fsdp"), (8, 8), sizes, nnx=True, over=True) == P("data", "fsdp")
+    assert state.state_spec(P("tensor", "fsdp"), (8, 8), sizes, nnx=False, over=True) == P("tensor", ("data", "fsdp"))
+    assert state.state_spec(P("tensor", "fsdp"), (8, 8), sizes, nnx=True, over=False) == P(None, "fsdp")
+
+
 BAD = [
     ("--rule pure-fsdp shard_optimizer_over_data=true", "shard_optimizer_over_data=true: rule 'pure-fsdp' has no 'data'"),
     ("shard_mode=implicit", "shard_mode='implicit': must be one of auto, explicit"),
