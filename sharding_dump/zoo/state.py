@@ -80,7 +80,8 @@ NNX_MODEL, NNX_OPTIMIZER, NNX_RNGS = "model", "optimizer", specs.NNX_RNGS
 # The logical axes of a stacked layer dimension (the zoo's scans and pipeline stacks, sharding_dump/models),
 # outermost first (a pipeline's repeats hold its stages, which hold a stage's layers; a scanned block holds
 # its inner scan): a module's RNG state is stacked over the same scans, in that order.
-STACK_AXES = ("circular_repeats", "layers", "dense_layers", "moe_layers", "layers_per_stage", "local_layers")
+STACK_AXES = ("circular_repeats", "layers", "dense_layers", "moe_layers", "layers_outside_pipeline", "layers_per_stage",
+              "local_layers")
 
 
 def _module_paths(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:

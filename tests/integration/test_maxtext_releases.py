@@ -22,6 +22,8 @@ DEEPSEEK2_PIPELINE = {"ici_pipeline_parallelism": 4, "num_pipeline_microbatches"
 DEEPSEEK3_PIPELINE = {"dcn_pipeline_parallelism": 4, "ici_expert_parallelism": 8, "num_pipeline_microbatches": 8,
                       "num_pipeline_repeats": 2, "num_layers_per_pipeline_stage": 7, "scan_layers_per_stage": True,
                       "pipeline_parallel_layers": 56}
+QWEN3_PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "num_pipeline_repeats": 2,
+                  "num_layers_per_pipeline_stage": 6, "pipeline_parallel_layers": 24}
 # (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),
@@ -39,6 +41,8 @@ CASES = [
     # DeepSeek's pipeline: the MoE layers it leaves out are `moe_layers_outside_pipeline` in the NNX build
     ("0.2.5", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
     ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", DEEPSEEK3_PIPELINE, 4),
+    # a pipeline of stages of 6 sequential layers with layers left out: their RNG state (layers_0's only)
+    ("0.2.5", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
