@@ -45,7 +45,7 @@ class Release:
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
     rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
     rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
-    outside_pipeline: tuple[tuple[str, str], ...]  # its NNX build's (stack, module name) of layers left out of a pipeline
+    outside_pipeline: tuple[tuple[str, str, str], ...]  # its NNX build's (stack, module, layer axis) of layers a pipeline leaves out
 
     def rng_modules(self, block: str) -> tuple[str, ...]:
         """The module patterns of decoder `block` that keep RNG state in the release's NNX build."""
@@ -78,7 +78,8 @@ def releases() -> dict[str, Release]:
                                tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
                                tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
                                {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()},
-                               tuple(raw["builds"]["nnx_state"]["outside_pipeline"].items()))
+                               tuple((stack, left["name"], left["axis"])
+                                     for stack, left in raw["builds"]["nnx_state"]["outside_pipeline"].items()))
     return out
 
 

@@ -50,6 +50,8 @@ CASES = [
     ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", {}),
     ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", {}),
     ("0.2.4", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
+    # e591f30's NNX build keeps the layer axis `layers` (on `stage`) on the layers a pipeline leaves out
+    ("0.2.4", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
     ("0.2.4", "llama2-7b", "v5p-8", "default",  # ZeRO-1 in explicit mode, as in auto mode (e591f30's NNX build too)
      {"ici_data_parallelism": 2, "shard_optimizer_over_data": True, "opt_type": "adam_pax", "shard_mode": "explicit"}),
 ]
