@@ -41,6 +41,8 @@ CASES = [
     # DeepSeek's pipeline: the MoE layers it leaves out are `moe_layers_outside_pipeline` in the NNX build
     ("0.2.5", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
     ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", DEEPSEEK3_PIPELINE, 4),
+    # and in explicit mode: the routed gate/bias (model state, stacked layer first) keeps its `stage`
+    ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", {**DEEPSEEK3_PIPELINE, "shard_mode": "explicit"}, 4),
     # a pipeline of stages of 6 sequential layers with layers left out: their RNG state (layers_0's only)
     ("0.2.5", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
