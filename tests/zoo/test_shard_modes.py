@@ -137,6 +137,12 @@ BAD = [
     ("--model llama2-7b --topology v5p-8 --rule default ici_data_parallelism=2 shard_optimizer_over_data=true "
      "maxtext_version=0.2.5",
      "shard_optimizer_over_data=true: MaxText 0.2.5 refuses ZeRO-1 with FSDP (the fsdp axes hold 2 devices)"),
+    ("--model qwen3.5-35b-a3b --topology tpu7x-16 shard_mode=explicit sparse_matmul=false",
+     "shard_mode=explicit with sparse_matmul=false: MaxText 0.2.5 refuses it for decoder block 'qwen3_5' (the dense "
+     "matmul MoE path is not onboarded to explicit sharding: it needs sparse_matmul=true); give shard_mode=auto"),
+    ("--model qwen3.5-35b-a3b --topology tpu7x-16 shard_mode=explicit ici_context_parallelism=2",
+     "shard_mode=explicit with context parallelism 2: MaxText 0.2.5 refuses it for decoder block 'qwen3_5' "
+     "(GatedDeltaNet's short convolution"),
 ]
 
 
