@@ -181,7 +181,7 @@ def _check_even_splits(setup: CaseSetup) -> None:
     else:
         auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
             _factory_state(setup.case.model, setup.plan, setup.rule_set, False, setup.optimizer)
-        layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
+        layouts = state.tensor_layouts(maxtext_state(setup, layout_view(setup, auto)), setup.plan, setup.rule_set,
                                        setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:

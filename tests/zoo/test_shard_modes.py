@@ -129,8 +129,8 @@ BAD = [
     ("--rule pure-fsdp shard_optimizer_over_data=true", "shard_optimizer_over_data=true: rule 'pure-fsdp' has no 'data'"),
     ("shard_mode=implicit", "shard_mode='implicit': must be one of auto, explicit"),
     ("--model deepseek3-671b --topology tpu7x-2048 shard_mode=explicit",
-     "shard_mode=explicit: params/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
-     "evenly over ['fsdp', 'context', 'context_usp_ulysses', 'expert'] (2048 shards)"),
+     "shard_mode=explicit: model/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
+     "evenly over fsdp (2048 shards)"),  # the NNX build's path and spec (its size-1 axes dropped)
     ("--model gemma3-4b --topology tpu7x-8 shard_mode=explicit maxtext_version=0.2.4",
      "shard_mode=explicit: MaxText 0.2.4 does not support decoder block 'gemma3' in explicit mode (blocks it "
      "supports: simple, simple_mlp, llama2, deepseek)"),
