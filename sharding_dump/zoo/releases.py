@@ -46,7 +46,8 @@ class Release:
     nnx_differs: tuple[Mapping[str, Any], ...]  # the cases that build places otherwise than the Linen build
     rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
     rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
-    outside_pipeline: tuple[tuple[str, str, str], ...]  # its NNX build's (stack, module, layer axis) of layers a pipeline leaves out
+    # its NNX build's (stack, module, layer axis) of the layers a pipeline leaves out of a stack
+    outside_pipeline: tuple[tuple[str, str, str], ...]
 
     def rng_modules(self, block: str) -> tuple[str, ...]:
         """The module patterns of decoder `block` that keep RNG state in the release's NNX build."""
@@ -199,8 +200,8 @@ def _explicit_refusal(rel: Release, values: Mapping[str, Any], block: str,
 def check_case(rel: Release, values: Mapping[str, Any], config: Any, sizes: Mapping[str, int],
                kv_head_axes: Sequence[str] = ()) -> None:
     """BadInput for what the release's MaxText refuses: shard_mode=explicit for a decoder block outside its
-    explicit set or in a case its `explicit_refused` names, ZeRO-1 (shard_optimizer_over_data) with FSDP axes of more than one device, key/value
-    heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
+    explicit set or in a case its `explicit_refused` names, ZeRO-1 (shard_optimizer_over_data) with FSDP axes
+    of more than one device, key/value heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
     kv_heads dimension is placed on). `config`: the card's ModelConfig, None for a user's model."""
     decoder_block = config.decoder_block if config is not None else None
     if values["shard_mode"] == "explicit" and decoder_block is not None and decoder_block not in rel.explicit_blocks:

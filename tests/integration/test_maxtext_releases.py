@@ -24,7 +24,8 @@ DEEPSEEK3_PIPELINE = {"dcn_pipeline_parallelism": 4, "ici_expert_parallelism": 8
                       "pipeline_parallel_layers": 56}
 QWEN3_PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "num_pipeline_repeats": 2,
                   "num_layers_per_pipeline_stage": 6, "pipeline_parallel_layers": 24}
-# (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's folder name.
+# (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's
+# folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "default", {}),
