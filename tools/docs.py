@@ -468,7 +468,7 @@ def pinned_table() -> str:
 
 def releases_table() -> str:
     """What each MaxText release the zoo builds changes (sharding_dump/data/maxtext_releases.yml), one row each."""
-    from sharding_dump.zoo.releases import SETTING, nnx_build, releases
+    from sharding_dump.zoo.releases import EXPLICIT_WHEN, SETTING, nnx_build, releases
     from sharding_dump.zoo.settings import setting_specs
 
     default = setting_specs()["maxtext_version"].default
@@ -480,8 +480,11 @@ def releases_table() -> str:
         keys = (f"+{len(rel.keys_added)}, -{len(rel.keys_removed)}"
                 + (f" ({', '.join(f'`{k}`' for k in rel.keys_removed)} removed)" if rel.keys_removed else ""))
         missing = ", ".join(f"`{name}`" for name in rel.models_missing) or "none"
+        explicit = ", ".join(f"`{b}`" for b in rel.explicit_blocks) + "".join(
+            f"; not {', '.join(f'`{b}`' for b in refusal['blocks'])} with {EXPLICIT_WHEN[refusal['when']]}"
+            for refusal in rel.explicit_refused)
         rows.append([f"`{rel.version}`" + (" (default)" if rel.version == default else ""), rel.source,
-                     f"`{folder}/`", axes, bias, ", ".join(f"`{b}`" for b in rel.explicit_blocks),
+                     f"`{folder}/`", axes, bias, explicit,
                      "yes" if rel.zero1_with_fsdp else "refused",
                      "refused" if rel.kv_heads_atomic else "yes", keys, missing,
                      f"{', '.join(rel.builds)}; by default: "

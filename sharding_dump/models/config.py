@@ -30,8 +30,10 @@ NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"), ("spar
 # MaxText's RoutedAndSharedMoE.
 RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"))
 # Which of MaxText's builds the layers mirror (the zoo sets it from the case's settings): its NNX build
-# feeds the batch's segment ids to every attention, which constrains them (`decoder_segment_ids`).
-BUILD_FIELDS = (("segment_ids", bool, False),)
+# feeds the batch's segment ids to every attention, which constrains them (`decoder_segment_ids`), and
+# names the layers a pipeline leaves out, and their layer axis, its own way ((stack name, module name, layer
+# axis) triples, models/pipeline.py apply_layer_stack).
+BUILD_FIELDS = (("segment_ids", bool, False), ("outside_pipeline", tuple, ()))
 
 
 def frozen(value: Any) -> Any:

@@ -9,7 +9,8 @@ MaxText's consistency rule holds: N x R x K = P. The batch is cut into `num_pipe
 microbatches that move through the stages one iteration at a time. Layers left out of the pipeline
 run as a plain scan with `stage` acting as one more data axis for their activations: after the
 pipeline (logical layer axis `layers_outside_pipeline`), or, for DeepSeek, before it together with
-the dense layers (`moe_layers`).
+the dense layers (layer axis `moe_layers`). MaxText's NNX builds name them otherwise (`ModelConfig.outside_pipeline`:
+DeepSeek's `moe_layers_outside_pipeline`; e591f30's keeps the layer axis `layers` after the pipeline).
 
 Weights (what the goldens see), at MaxText's paths: the pipeline is `decoder/pipeline_module`, its
 stacked stage `layers`; a stage's weights get the stage at axis 0, named `layers` (mapped to `stage`
@@ -22,7 +23,8 @@ position 1)::
     K > 1:        decoder/pipeline_module/layers/layers_<k>/mlp/wi_0/kernel     [R,] N, embed, mlp
     K > 1, scan:  decoder/pipeline_module/layers/scanned_layers/mlp/wi_0/kernel [R,] N, embed, K, mlp
 
-The layers left out are `decoder/layers_outside_pipeline` (DeepSeek: `decoder/moe_layers`).
+The layers left out are `decoder/layers_outside_pipeline` (DeepSeek: `decoder/moe_layers`), or as
+`cfg.outside_pipeline` names them.
 
 P and K count the units of the pipelined stack as MaxText does, whatever a unit holds, and P
 defaults to the card's `num_decoder_layers` (less the layers of the other stacks): where the unit
@@ -285,7 +287,8 @@ def apply_layer_stack(cfg: ModelConfig, schedule: PipelineConfig | None, layer: 
 
     Call it from a parent's compact `__call__`: the stack is created in the parent's scope as `name`,
     or, pipelined, as MaxText names it: `pipeline_module`, with the layers the pipeline leaves out as
-    `layers_outside_pipeline` (or `name` when `outside_first`). Scanned weights carry the logical name
+    `layers_outside_pipeline` (or `name` when `outside_first`), unless `cfg.outside_pipeline` names the
+    module and layer axis of stack `name`'s left-out layers. Scanned weights carry the logical name
     `axis` (default `name`) on their layer dimension (e.g. `moe_layers` for DeepSeek's MoE stack), as
     MaxText names a scanned stack's axis; pipelined ones carry `layers` (on `stage`). The layers a
     pipeline leaves out run under :func:`stage_as_data` rules, after the pipeline with layer axis
@@ -302,9 +305,10 @@ def apply_layer_stack(cfg: ModelConfig, schedule: PipelineConfig | None, layer: 
             x, _ = scan_layers(layer, rest, axis)(cfg, name=stack_name)(x, positions)
         return x
 
+    left_out = {stack: (module, layer_axis) for stack, module, layer_axis in cfg.outside_pipeline}
     if rest and outside_first:
-        x = outside(x, name, axis)
+        x = outside(x, *left_out.get(name, (name, axis)))
     x = Pipeline(cfg, schedule, layer, name=PIPELINE_NAME)(x, positions)
     if rest and not outside_first:
-        x = outside(x, OUTSIDE_LOGICAL, OUTSIDE_LOGICAL)
+        x = outside(x, *left_out.get(name, (OUTSIDE_LOGICAL, OUTSIDE_LOGICAL)))
     return x

@@ -114,7 +114,8 @@ def setup_case(case: Case) -> CaseSetup:
     else:
         nnx = releases.nnx_build(values)
         config = cards.load_config(case.model, weight_dtype=values["weight_dtype"],
-                                   sparse_matmul=values["sparse_matmul"], segment_ids=nnx, **case.release.model)
+                                   sparse_matmul=values["sparse_matmul"], segment_ids=nnx,
+                                   outside_pipeline=case.release.outside_pipeline if nnx else (), **case.release.model)
         releases.check_build(case.release, nnx, values["shard_optimizer_over_data"],
                              config.decoder_block, plan.sizes.get("tensor", 1))
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
@@ -180,7 +181,7 @@ def _check_even_splits(setup: CaseSetup) -> None:
     else:
         auto = _abstract_state(setup.config, setup.optimizer, setup.pipeline) if setup.config is not None else \
             _factory_state(setup.case.model, setup.plan, setup.rule_set, False, setup.optimizer)
-        layouts = state.tensor_layouts(layout_view(setup, auto), setup.plan, setup.rule_set,
+        layouts = state.tensor_layouts(maxtext_state(setup, layout_view(setup, auto)), setup.plan, setup.rule_set,
                                        setup.values["shard_optimizer_over_data"])
     params_first = _uneven_params_first(layouts)
     for layout, dim in params_first[:1]:
@@ -294,7 +295,7 @@ def case_layouts(case: Case) -> tuple[CaseSetup, list[TensorLayout]]:
         return setup, list(serving.traced_of(setup).layouts)
     if setup.explicit and setup.config is not None:
         traced = state.explicit_state(setup.config, setup.plan, setup.rule_set, over_data, setup.optimizer,
-                                      setup.pipeline)
+                                      setup.pipeline, releases.nnx_build(setup.values))
         return setup, state.typed_state_layouts(maxtext_state(setup, traced), setup.plan)
     if _own_init(setup):  # what the program placed itself, then the rules
         return setup, _own_layouts(setup)

@@ -34,6 +34,7 @@ class Release:
     model: Mapping[str, str]
     model_state_bias: tuple[str, ...]
     explicit_blocks: tuple[str, ...]
+    explicit_refused: tuple[Mapping[str, Any], ...]  # what it refuses in explicit mode for some of those blocks
     zero1_with_fsdp: bool
     kv_heads_atomic: bool
     keys_added: tuple[str, ...]
@@ -46,6 +47,8 @@ class Release:
     rng_streams: tuple[str, ...]  # the streams of the nnx.Rngs its NNX build trains with
     rng_key_impl: str  # the PRNG implementation of those keys (jax.random.key's `impl`)
     rngs: Mapping[str, tuple[str, ...]]  # decoder block -> the modules whose NNX class keeps that nnx.Rngs
+    # its NNX build's (stack, module, layer axis) of the layers a pipeline leaves out of a stack
+    outside_pipeline: tuple[tuple[str, str, str], ...]
 
     def rng_modules(self, lineage: Sequence[str]) -> tuple[str, ...]:
         """The module patterns that keep RNG state in the release's NNX build, those of the first decoder
@@ -77,14 +80,17 @@ def releases() -> dict[str, Release]:
         if not folder.is_dir():
             raise BadInput(f"MaxText releases file {RELEASES_FILE}: field releases/{version}/rules: no folder {folder}")
         out[version] = Release(version, raw["source"], folder, dict(raw["model"]), tuple(raw["model_state_bias"]),
-                               tuple(raw["explicit_blocks"]), raw["zero1_with_fsdp"], raw["kv_heads_atomic"],
+                               tuple(raw["explicit_blocks"]), tuple(raw["explicit_refused"]), raw["zero1_with_fsdp"],
+                               raw["kv_heads_atomic"],
                                tuple(raw["keys_added"]),
                                tuple(raw["keys_removed"]), dict(raw["models_missing"]),
                                tuple(raw["builds"]["maxtext"]),
                                tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
                                tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
                                raw["builds"]["nnx_state"]["key_impl"],
-                               {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()})
+                               {block: tuple(paths) for block, paths in raw["builds"]["nnx_state"]["rngs"].items()},
+                               tuple((stack, left["name"], left["axis"])
+                                     for stack, left in raw["builds"]["nnx_state"]["outside_pipeline"].items()))
     return out
 
 
@@ -188,18 +194,43 @@ def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, 
 
 
 FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it
+CONTEXT_AXES = ("context", "context_usp_ulysses")  # the axes MaxText counts as context parallelism in explicit mode
+# What each `when` of `explicit_refused` means, as a user gives it.
+EXPLICIT_WHEN = {"dense_matmul": "sparse_matmul=false", "context_parallelism": "context parallelism"}
+
+
+def _explicit_refusal(rel: Release, values: Mapping[str, Any], block: str,
+                      sizes: Mapping[str, int]) -> tuple[str, str] | None:
+    """(what, why) of a case in explicit mode with decoder `block` that the release refuses
+    (data/maxtext_releases.yml `explicit_refused`), `what` said as the settings give it; None when nothing is."""
+    context = 1
+    for axis in CONTEXT_AXES:
+        context *= sizes.get(axis, 1)
+    for refusal in rel.explicit_refused:
+        if block not in refusal["blocks"]:
+            continue
+        if refusal["when"] == "dense_matmul" and values["sparse_matmul"] is False:
+            return EXPLICIT_WHEN["dense_matmul"], refusal["why"]
+        if refusal["when"] == "context_parallelism" and context > 1:
+            return f"{EXPLICIT_WHEN['context_parallelism']} {context}", refusal["why"]
+    return None
 
 
 def check_case(rel: Release, values: Mapping[str, Any], config: Any, sizes: Mapping[str, int],
                kv_head_axes: Sequence[str] = ()) -> None:
     """BadInput for what the release's MaxText refuses: shard_mode=explicit for a decoder block outside its
-    explicit set, ZeRO-1 (shard_optimizer_over_data) with FSDP axes of more than one device, key/value
-    heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
+    explicit set or in a case its `explicit_refused` names, ZeRO-1 (shard_optimizer_over_data) with FSDP axes
+    of more than one device, key/value heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
     kv_heads dimension is placed on). `config`: the card's ModelConfig, None for a user's model."""
     decoder_block = config.decoder_block if config is not None else None
     if values["shard_mode"] == "explicit" and decoder_block is not None and decoder_block not in rel.explicit_blocks:
         raise BadInput(f"shard_mode=explicit: MaxText {rel.version} does not support decoder block {decoder_block!r} "
                        f"in explicit mode (blocks it supports: {', '.join(rel.explicit_blocks)})")
+    refused = _explicit_refusal(rel, values, decoder_block, sizes) if values["shard_mode"] == "explicit" and \
+        decoder_block is not None else None
+    if refused:
+        raise BadInput(f"shard_mode=explicit with {refused[0]}: MaxText {rel.version} refuses it for decoder block "
+                       f"{decoder_block!r} ({refused[1]}); give shard_mode=auto")
     if rel.kv_heads_atomic and config is not None and kv_head_axes:
         split = [axis for axis in kv_head_axes if sizes.get(axis, 1) > 1]
         shards = 1

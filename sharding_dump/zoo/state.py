@@ -80,7 +80,8 @@ NNX_MODEL, NNX_OPTIMIZER, NNX_RNGS = "model", "optimizer", specs.NNX_RNGS
 # The logical axes of a stacked layer dimension (the zoo's scans and pipeline stacks, sharding_dump/models),
 # outermost first (a pipeline's repeats hold its stages, which hold a stage's layers; a scanned block holds
 # its inner scan): a module's RNG state is stacked over the same scans, in that order.
-STACK_AXES = ("circular_repeats", "layers", "dense_layers", "moe_layers", "layers_per_stage", "local_layers")
+STACK_AXES = ("circular_repeats", "layers", "dense_layers", "moe_layers", "layers_outside_pipeline", "layers_per_stage",
+              "local_layers")
 
 
 def _module_paths(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -170,9 +171,14 @@ def model_state_bias(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _layer_first(box: nn.Partitioned) -> nn.Partitioned:
-    """A stacked variable that is no nnx.Param, as an NNX scan stacks it: its stacked-layer dimensions first."""
+    """A stacked variable that is no nnx.Param, as an NNX scan stacks it: its stacked-layer dimensions first.
+    A leaf traced on an Explicit mesh keeps its placement, its dimensions moved with it."""
     order = sorted(range(len(box.names)), key=lambda i: _stack_order((0, box.names[i])))
-    value = jax.ShapeDtypeStruct(tuple(box.value.shape[i] for i in order), box.value.dtype)
+    sharding = getattr(box.value, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(box.names) - len(sharding.spec))
+        sharding = sharding.update(spec=PartitionSpec(*(spec[i] for i in order)))
+    value = jax.ShapeDtypeStruct(tuple(box.value.shape[i] for i in order), box.value.dtype, sharding=sharding)
     return box.replace(value=value, names=tuple(box.names[i] for i in order))
 
 
@@ -233,6 +239,21 @@ def without_size_one(spec: PartitionSpec, ndim: int, sizes: Mapping[str, int]) -
     return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in specs.spec_to_json(spec, ndim, sizes)))
 
 
+def state_spec(spec: PartitionSpec, shape: Sequence[int], sizes: Mapping[str, int], nnx: bool,
+               over: bool) -> PartitionSpec:
+    """The spec MaxText places a state leaf on, given the rules' `spec`: its NNX build first drops the size-1
+    mesh axes (sharding.logical_to_mesh_axes), then ZeRO-1 (`over`, an optimizer leaf) adds `data`
+    (add_data_to_sharding), so a size-1 `tensor` no longer keeps `data` off its dimension there. The same in
+    either shard mode: MaxText's get_abstract_state computes the state's shardings with no shard-mode branch,
+    and its dump of a ZeRO-1 case with shard_mode=explicit equals the auto one
+    (tests/integration/test_maxtext_releases.py)."""
+    if nnx:
+        spec = without_size_one(spec, len(shape), sizes)
+    if over:
+        spec = over_data(spec, shape, sizes)
+    return spec
+
+
 def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSet,
                    optimizer_over_data: bool = False,
                    declared: Mapping[str, PartitionSpec] | None = None) -> list[TensorLayout]:
@@ -247,11 +268,7 @@ def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSe
         declared = {**(declared or {}), **{path: PartitionSpec() for path in rng_paths(state)}}
 
     def transform(path: str, shape: tuple[int, ...], spec: PartitionSpec) -> PartitionSpec:
-        if nnx:
-            spec = without_size_one(spec, len(shape), sizes)
-        if optimizer_over_data and is_optimizer_leaf(path):
-            spec = over_data(spec, shape, sizes)
-        return spec
+        return state_spec(spec, shape, sizes, nnx, optimizer_over_data and is_optimizer_leaf(path))
 
     try:
         return core_tensor_layouts(state, plan.abstract_mesh(), rule_set,
@@ -262,12 +279,13 @@ def tensor_layouts(state: dict[str, Any], plan: MeshPlan, rule_set: rules.RuleSe
 
 def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.RuleSet,
                    optimizer_over_data: bool = False, tx: optax.GradientTransformation | None = None,
-                   pipeline: PipelineConfig | None = None) -> dict[str, Any]:
+                   pipeline: PipelineConfig | None = None, nnx: bool = False) -> dict[str, Any]:
     """The boxed state traced on the plan's Explicit-axis abstract mesh: every leaf carries the sharding
     JAX gives it. Parameters are placed by the rules (`jax.sharding.reshard`: flax's init cannot run
     under an Explicit mesh), and so is every optimizer leaf that derives logical axes from its
     parameter, as a trainer places its state by its logical annotations (AdamW's moments already follow
-    their parameter); ZeRO-1 then reshards the optimizer leaves over `data`."""
+    their parameter); ZeRO-1 then reshards the optimizer leaves over `data`, after the size-1 mesh axes
+    are gone for MaxText's NNX build (`nnx`), as in auto mode (:func:`state_spec`)."""
     model = cards.build_model(cfg, pipeline)
     tx = tx or default_optimizer()
     template = abstract_state(cfg, tx, pipeline)["opt_state"]  # every optimizer leaf's derived axes
@@ -276,9 +294,7 @@ def explicit_state(cfg: models.ModelConfig, plan: MeshPlan, rule_set: rules.Rule
     def place(box: nn.Partitioned | jax.Array, over: bool = False) -> nn.Partitioned | jax.Array:
         if not is_box(box):  # a parameter without logical axes (Qwen3-Next's decay) stays replicated
             return box
-        spec = resolve(box.names, rule_set)
-        if over:
-            spec = over_data(spec, box.value.shape, plan.sizes)
+        spec = state_spec(resolve(box.names, rule_set), box.value.shape, plan.sizes, nnx, over)
         return box.replace_boxed(jax.sharding.reshard(box.value, NamedSharding(mesh, spec)))
 
     def slot(boxed: Any, leaf: Any) -> Any:

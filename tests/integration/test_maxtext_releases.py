@@ -16,7 +16,16 @@ from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
 
 RELEASES = REPO / "tests" / "data" / "maxtext" / "releases"
-# (version, model, topology, rule, overrides): MaxText's dump of each is kept under our case's folder name.
+ZERO1_PIPELINE = {"ici_data_parallelism": 2, "ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
+                  "shard_optimizer_over_data": True}
+DEEPSEEK2_PIPELINE = {"ici_pipeline_parallelism": 4, "num_pipeline_microbatches": 4, "pipeline_parallel_layers": 24}
+DEEPSEEK3_PIPELINE = {"dcn_pipeline_parallelism": 4, "ici_expert_parallelism": 8, "num_pipeline_microbatches": 8,
+                      "num_pipeline_repeats": 2, "num_layers_per_pipeline_stage": 7, "scan_layers_per_stage": True,
+                      "pipeline_parallel_layers": 56}
+QWEN3_PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "num_pipeline_repeats": 2,
+                  "num_layers_per_pipeline_stage": 6, "pipeline_parallel_layers": 24}
+# (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's
+# folder name.
 CASES = [
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),
     ("0.2.5", "qwen3-0.6b", "tpu7x-16", "default", {}),
@@ -28,17 +37,31 @@ CASES = [
     ("0.2.5", "gpt3-6b", "tpu7x-16", "default", {}),
     ("0.2.5", "gemma4-26b", "tpu7x-16", "default", {}),
     ("0.2.5", "deepseek3.2-671b", "tpu7x-16", "default", {}),  # routed gate/bias as model state
+    # ZeRO-1 in explicit mode: MaxText adds `data` after the size-1 axes are gone, as in auto mode
+    ("0.2.5", "llama2-7b", "v5p-8", "default", {**ZERO1_PIPELINE, "shard_mode": "explicit"}),
+    # DeepSeek's pipeline: the MoE layers it leaves out are `moe_layers_outside_pipeline` in the NNX build
+    ("0.2.5", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
+    ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", DEEPSEEK3_PIPELINE, 4),
+    # and in explicit mode: the routed gate/bias (model state, stacked layer first) keeps its `stage`
+    ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", {**DEEPSEEK3_PIPELINE, "shard_mode": "explicit"}, 4),
+    # a pipeline of stages of 6 sequential layers with layers left out: their RNG state (layers_0's only)
+    ("0.2.5", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
     ("0.2.4", "gemma4-26b", "tpu7x-16", "default", {"ici_tensor_parallelism": 2, "ici_expert_parallelism": 4}),
     ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", {}),
     ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", {}),
+    ("0.2.4", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
+    # e591f30's NNX build keeps the layer axis `layers` (on `stage`) on the layers a pipeline leaves out
+    ("0.2.4", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
+    ("0.2.4", "llama2-7b", "v5p-8", "default",  # ZeRO-1 in explicit mode, as in auto mode (e591f30's NNX build too)
+     {"ici_data_parallelism": 2, "shard_optimizer_over_data": True, "opt_type": "adam_pax", "shard_mode": "explicit"}),
 ]
 
 
-def case_of(version: str, model: str, topology: str, rule: str, overrides: dict) -> Case:
-    return Case.make(model, topology, rule, overrides={**overrides, "maxtext_version": version})
+def case_of(version: str, model: str, topology: str, rule: str, overrides: dict, num_slices: int = 1) -> Case:
+    return Case.make(model, topology, rule, num_slices, {**overrides, "maxtext_version": version})
 
 
 def test_every_reference_of_a_release_is_a_case_here():

@@ -73,19 +73,22 @@ def test_stacked_layer_weights_are_laid_out_as_maxtext(case):
 
 def test_layers_outside_the_pipeline_are_not_on_stage():
     """MaxText names the layers a pipeline leaves out, and their layer axis, `layers_outside_pipeline` (no
-    rule: unsharded); DeepSeek's leftover MoE layers keep `moe_layers`, its dense layers `dense_layers`."""
+    rule: unsharded); DeepSeek's leftover MoE layers keep the layer axis `moe_layers`, in a module its NNX
+    build names `moe_layers_outside_pipeline` (its Linen build: `moe_layers`), its dense layers `dense_layers`."""
     for case in PIPELINE_CASES:
         setup = SETUPS[case.label]
         if setup.pipeline.num_layers == cards.pipelined_stack_length(setup.config):
             continue
         named, logical = (committed_golden(case, n)["tensors"] for n in ("named_shardings.json", "logical_shardings.json"))
-        want = "moe_layers" if setup.config.first_num_dense_layers else "layers_outside_pipeline"
-        outside = [p for p in named if p.startswith((f"params/decoder/{want}/", f"model/decoder/{want}/"))
+        axis = "moe_layers" if setup.config.first_num_dense_layers else "layers_outside_pipeline"
+        nnx = any(p.startswith("model/") for p in named)  # MaxText's NNX build (the Linen one: params/...)
+        module = "moe_layers_outside_pipeline" if axis == "moe_layers" and nnx else axis
+        outside = [p for p in named if p.startswith((f"params/decoder/{module}/", f"model/decoder/{module}/"))
                    and "/rngs/" not in p]  # the NNX build's RNG state has no logical axes
         assert outside
         for path in outside:
             axes = logical[path]["logical_axes"]
-            assert want in axes and "stage" not in json.dumps(named[path]["partition_spec"]), (path, axes)
+            assert axis in axes and "stage" not in json.dumps(named[path]["partition_spec"]), (path, axes)
 
 
 @pytest.mark.parametrize("case", sweep_beyond_first(PIPELINE_CASES, lambda c: SETUPS[c.label].config.num_experts > 1),
@@ -159,7 +162,7 @@ def test_deepseek_dense_layers_split_over_stage_as_data():
     logical_axis_rules_pp_act_as_dp: their activation batch goes over stage, just before data."""
     case = next(c for c in PIPELINE_CASES if c.model == "deepseek2-16b" and "pipeline_parallel_layers" in dict(c.overrides))
     acts = committed_golden(case, "activation_shardings.json")["tensors"]
-    for key in ("forward/decoder/dense_layers/inputs", "forward/decoder/moe_layers/inputs"):
+    for key in ("forward/decoder/dense_layers/inputs", "forward/decoder/moe_layers_outside_pipeline/inputs"):
         assert acts[key]["partition_spec"][0][:2] == ["stage", "data"], (key, acts[key]["partition_spec"])
     piped = acts["forward/decoder/pipeline_module/layers/inputs"]["partition_spec"]
     assert "stage" not in json.dumps(piped[1:]), piped

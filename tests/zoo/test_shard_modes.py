@@ -116,18 +116,33 @@ def test_over_data_skips_tensor_even_of_size_1_as_maxtext_does():
         state.over_data(P("fsdp", None), (6, 8), sizes)
 
 
+def test_nnx_build_adds_data_after_dropping_size_one_axes_in_both_modes():
+    """MaxText's NNX build drops the size-1 mesh axes before ZeRO-1 adds `data` (its Linen build keeps them, so a
+    size-1 `tensor` keeps `data` off that dimension); explicit and auto mode share the one function."""
+    sizes = {"data": 2, "fsdp": 4, "tensor": 1}
+    assert state.state_spec(P("tensor", "fsdp"), (8, 8), sizes, nnx=True, over=True) == P("data", "fsdp")
+    assert state.state_spec(P("tensor", "fsdp"), (8, 8), sizes, nnx=False, over=True) == P("tensor", ("data", "fsdp"))
+    assert state.state_spec(P("tensor", "fsdp"), (8, 8), sizes, nnx=True, over=False) == P(None, "fsdp")
+
+
 BAD = [
     ("--rule pure-fsdp shard_optimizer_over_data=true", "shard_optimizer_over_data=true: rule 'pure-fsdp' has no 'data'"),
     ("shard_mode=implicit", "shard_mode='implicit': must be one of auto, explicit"),
     ("--model deepseek3-671b --topology tpu7x-2048 shard_mode=explicit",
-     "shard_mode=explicit: params/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
-     "evenly over ['fsdp', 'context', 'context_usp_ulysses', 'expert'] (2048 shards)"),
+     "shard_mode=explicit: model/decoder/dense_layers/mlp/wi_0/kernel dimension 0 (size 7168) does not split "
+     "evenly over fsdp (2048 shards)"),  # the NNX build's path and spec (its size-1 axes dropped)
     ("--model gemma3-4b --topology tpu7x-8 shard_mode=explicit maxtext_version=0.2.4",
      "shard_mode=explicit: MaxText 0.2.4 does not support decoder block 'gemma3' in explicit mode (blocks it "
      "supports: simple, simple_mlp, llama2, deepseek)"),
     ("--model llama2-7b --topology v5p-8 --rule default ici_data_parallelism=2 shard_optimizer_over_data=true "
      "maxtext_version=0.2.5",
      "shard_optimizer_over_data=true: MaxText 0.2.5 refuses ZeRO-1 with FSDP (the fsdp axes hold 2 devices)"),
+    ("--model qwen3.5-35b-a3b --topology tpu7x-16 shard_mode=explicit sparse_matmul=false",
+     "shard_mode=explicit with sparse_matmul=false: MaxText 0.2.5 refuses it for decoder block 'qwen3_5' (the dense "
+     "matmul MoE path is not onboarded to explicit sharding: it needs sparse_matmul=true); give shard_mode=auto"),
+    ("--model qwen3.5-35b-a3b --topology tpu7x-16 shard_mode=explicit ici_context_parallelism=2",
+     "shard_mode=explicit with context parallelism 2: MaxText 0.2.5 refuses it for decoder block 'qwen3_5' "
+     "(GatedDeltaNet's short convolution"),
 ]
 
 
