@@ -460,7 +460,7 @@ def releases_table() -> str:
                      "refused" if rel.kv_heads_atomic else "yes", keys, missing,
                      f"{', '.join(rel.builds)}; by default: "
                      f"{'nnx' if nnx_build({SETTING: rel.version}) else 'linen'}"])
-    return table(["`maxtext_version`", "MaxText's code", "rule files", "logical axes", "routed bias as state",
+    return table(["`maxtext_version`", "MaxText's code", "rule files", "its layers (model fields)", "routed bias as state",
                   "explicit mode accepts", "ZeRO-1 with FSDP", "a key/value head split", "base.yml keys (vs previous)",
                   "model configs without a card", "MaxText's builds"], rows)
 

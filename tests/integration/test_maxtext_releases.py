@@ -28,6 +28,10 @@ CASES = [
     ("0.2.5", "gpt3-6b", "tpu7x-16", "default", {}),
     ("0.2.5", "gemma4-26b", "tpu7x-16", "default", {}),
     ("0.2.5", "deepseek3.2-671b", "tpu7x-16", "default", {}),  # routed gate/bias as model state
+    # Qwen3-Next's cycles as Qwen3NextScannableBlock holds them: local_layers (a scan in the scan) and global_layer
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "default", {"ici_expert_parallelism": 4, "ici_tensor_parallelism": 2}),
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "default", {}),
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "shard-exp-on-fsdp", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
