@@ -68,9 +68,11 @@ ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
                    ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE)]
 # MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
 # site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
-# records its stages' own constraints at the stage's shape (36 records, 14 checked).
+# records its stages' own constraints at the stage's shape (36 records, 14 checked); Qwen3-Next's attention output
+# names 3 logical axes for its 4 dimensions and is recorded at its full shape (no vmap added any).
 CHECKED = {("qwen3-0.6b", "default"): 8, ("qwen3-0.6b", "fsdp-as-dp-for-attn"): 8, ("deepseek2-16b", "default"): 22,
-           ("llama2-7b", "default"): 14}
+           ("llama2-7b", "default"): 14, ("qwen3-next-80b-a3b", "default"): 10,
+           ("qwen3-next-80b-a3b", "shard-exp-on-fsdp"): 10}
 
 
 def activation_cases():
