@@ -454,15 +454,16 @@ def releases_table() -> str:
         keys = (f"+{len(rel.keys_added)}, -{len(rel.keys_removed)}"
                 + (f" ({', '.join(f'`{k}`' for k in rel.keys_removed)} removed)" if rel.keys_removed else ""))
         missing = ", ".join(f"`{name}`" for name in rel.models_missing) or "none"
+        no_pipeline = ", ".join(f"`{block}`" for block in rel.pipeline_fails) or "none"
         rows.append([f"`{rel.version}`" + (" (default)" if rel.version == default else ""), rel.source,
                      f"`{folder}/`", axes, bias, ", ".join(f"`{b}`" for b in rel.explicit_blocks),
                      "yes" if rel.zero1_with_fsdp else "refused",
-                     "refused" if rel.kv_heads_atomic else "yes", keys, missing,
+                     "refused" if rel.kv_heads_atomic else "yes", keys, missing, no_pipeline,
                      f"{', '.join(rel.builds)}; by default: "
                      f"{'nnx' if nnx_build({SETTING: rel.version}) else 'linen'}"])
     return table(["`maxtext_version`", "MaxText's code", "rule files", "its layers (model fields)", "routed bias as state",
                   "explicit mode accepts", "ZeRO-1 with FSDP", "a key/value head split", "base.yml keys (vs previous)",
-                  "model configs without a card", "MaxText's builds"], rows)
+                  "model configs without a card", "blocks it fails to pipeline", "MaxText's builds"], rows)
 
 
 def tpu_temporaries_table(group: str) -> str:
