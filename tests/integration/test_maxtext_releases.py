@@ -34,6 +34,8 @@ CASES = [
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "shard-exp-on-fsdp", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "default", {"shard_mode": "explicit"}),  # 0.2.5 accepts it explicit
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),  # Gated DeltaNet's kernels on embed_attn
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "default",  # ZeRO-1 (no FSDP, as 0.2.5 takes it) on the nested stacks
+     {"ici_fsdp_parallelism": 1, "ici_data_parallelism": 4, "ici_expert_parallelism": 4, "shard_optimizer_over_data": True}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
