@@ -486,10 +486,10 @@ def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
 
 def per_stage(constraint: Constraint) -> Constraint:
     """A constraint placed inside a vmap (a pipeline's stages, vmapped over `stage`) as the function the
-    vmap runs placed it: without the leading dimensions the vmap added (`Constraint.vmapped`: the traced
-    rank less the rank its constrain() call saw; fewer logical axes than dimensions leave the last ones
-    free, Qwen3-Next's attention output) (MaxText's NNX build records a stage's activations so, where its
-    Linen build records none). Any other constraint is returned as it is."""
+    vmap runs placed it: without the leading dimensions the vmap added (`Constraint.vmapped`, the traced
+    rank less the rank its constrain() call saw; fewer logical axes than dimensions only leave the last ones
+    free, as Qwen3-Next's attention output). MaxText's NNX build records a stage's activations so, where its
+    Linen build records none. Any other constraint is returned as it is."""
     added = constraint.vmapped
     if added <= 0:
         return constraint
