@@ -483,15 +483,16 @@ def releases_table() -> str:
         explicit = ", ".join(f"`{b}`" for b in rel.explicit_blocks) + "".join(
             f"; not {', '.join(f'`{b}`' for b in refusal['blocks'])} with {EXPLICIT_WHEN[refusal['when']]}"
             for refusal in rel.explicit_refused)
+        no_pipeline = ", ".join(f"`{block}`" for block in rel.pipeline_fails) or "none"
         rows.append([f"`{rel.version}`" + (" (default)" if rel.version == default else ""), rel.source,
                      f"`{folder}/`", axes, bias, explicit,
                      "yes" if rel.zero1_with_fsdp else "refused",
-                     "refused" if rel.kv_heads_atomic else "yes", keys, missing,
+                     "refused" if rel.kv_heads_atomic else "yes", keys, missing, no_pipeline,
                      f"{', '.join(rel.builds)}; by default: "
                      f"{'nnx' if nnx_build({SETTING: rel.version}) else 'linen'}"])
-    return table(["`maxtext_version`", "MaxText's code", "rule files", "logical axes", "routed bias as state",
+    return table(["`maxtext_version`", "MaxText's code", "rule files", "its layers (model fields)", "routed bias as state",
                   "explicit mode accepts", "ZeRO-1 with FSDP", "a key/value head split", "base.yml keys (vs previous)",
-                  "model configs without a card", "MaxText's builds"], rows)
+                  "model configs without a card", "blocks it fails to pipeline", "MaxText's builds"], rows)
 
 
 def tpu_temporaries_table(group: str) -> str:

@@ -119,6 +119,7 @@ class Constraint:
     logical_axes: tuple[str | None, ...]
     partition_spec: PartitionSpec
     resolvable: bool = False  # a constrain() call's constraint under the trace's rules: its spec is theirs
+    vmapped: int = 0  # the leading dimensions a transform (vmap) added to the array a constrain() call placed
 
     @property
     def key(self) -> str:
@@ -204,7 +205,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str) -> ja
         traced = isinstance(rules, _TraceRules) and rules.recording is _CURRENT.get()
         if explicit_mesh():
             return _named(lambda: jax.sharding.reshard(x, nn.logical_to_mesh_axes(axes + (None,) * (x.ndim - len(axes)))),
-                          name, axes)
+                          name, axes, ndim=x.ndim)
         if not rules:  # flax places nothing without rules: no constraint to note, none lost
             return x
         return _named(lambda: nn.with_logical_constraint(x, axes), name, axes, traced, x.ndim)
@@ -218,8 +219,8 @@ def constrain_spec(x: jax.Array, spec: PartitionSpec | NamedSharding, name: str)
     pipeline's (a NamedSharding: on its mesh)."""
     _check_name(name)
     if explicit_mesh():
-        return _named(lambda: jax.sharding.reshard(x, spec), name, (None,) * x.ndim)
-    return _named(lambda: jax.lax.with_sharding_constraint(x, spec), name, (None,) * x.ndim)
+        return _named(lambda: jax.sharding.reshard(x, spec), name, (None,) * x.ndim, ndim=x.ndim)
+    return _named(lambda: jax.lax.with_sharding_constraint(x, spec), name, (None,) * x.ndim, ndim=x.ndim)
 
 
 def explicit_mesh() -> bool:
@@ -484,6 +485,7 @@ class _Placed:
     dtype: str
     spec: PartitionSpec
     resolvable: bool = False  # a constrain() call's constraint resolved under the trace's rules
+    vmapped: int = 0  # leading dimensions a transform added to the array the constrain() call placed
 
 
 def read_constraints(closed: ClosedJaxpr, rec: Recording) -> list[Constraint]:
@@ -519,7 +521,8 @@ def read_constraints(closed: ClosedJaxpr, rec: Recording) -> list[Constraint]:
                 axes, name = (None,) * len(p.shape), f"{p.primitive}-{labels[p.site]}"
             else:
                 name = _derived_name(axes)
-        entry = add(Constraint(p.module, name, p.pass_, p.shape, p.dtype, axes, p.spec, p.resolvable), p.name is not None)
+        entry = add(Constraint(p.module, name, p.pass_, p.shape, p.dtype, axes, p.spec, p.resolvable, p.vmapped),
+                    p.name is not None)
         if p.typed and p.pass_ == FORWARD and entry not in typed.setdefault((p.module, p.site), []):
             typed[(p.module, p.site)].append(entry)
     for entry, named in _cotangents(transposed, typed, rec):
@@ -557,7 +560,8 @@ def _walk(closed: ClosedJaxpr, rec: Recording) -> tuple[list[_Placed], list[tupl
             site = rec.sites[index]
             placed.append(_Placed(pass_, _module_of(stack), f"@{index}", site.name, site.logical_axes,
                                   eqn.primitive.name, is_typed, shape, aval.dtype.name, sharding.spec,
-                                  site.traced_rules and not is_typed and _resolves(site, sharding.spec, len(shape), rec)))
+                                  site.traced_rules and not is_typed and _resolves(site, sharding.spec, len(shape), rec),
+                                  max(len(shape) - site.ndim, 0) if site.ndim >= 0 else 0))
             continue
         origin = _origin(eqn)
         if origin.parameter or not origin.chain or (is_typed and not origin.sharding_argument):

@@ -26,9 +26,12 @@ _PYTHON_TYPES = {"integer": int, "number": float, "boolean": bool, "string": str
 # settings), not by the card.
 NUMERICS = (("weight_dtype", str, "float32"), ("dtype", str, "bfloat16"), ("sparse_matmul", bool, True))
 # What a MaxText release changes in the layers it builds (the zoo's data/maxtext_releases.yml sets them per
-# release): the logical axis of every attention kernel's embed dimension, and that of the router kernel of
-# MaxText's RoutedAndSharedMoE.
-RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"))
+# release): the logical axis of every attention kernel's embed dimension, that of the router kernel of
+# MaxText's RoutedAndSharedMoE, and how the qwen3_next block holds its layers (`cycle`: one module per layer,
+# layer_0 ...; `local_global`: its Gated DeltaNet layers scanned as `local_layers`, the full-attention
+# layer as `global_layer`, MaxText 0.2.5's Qwen3NextScannableBlock).
+RELEASE_FIELDS = (("attention_embed_axis", str, "embed"), ("router_embed_axis", str, "embed_moe"),
+                  ("qwen3_next_layers", str, "cycle"))
 # Which of MaxText's builds the layers mirror (the zoo sets it from the case's settings): its NNX build
 # feeds the batch's segment ids to every attention, which constrains them (`decoder_segment_ids`), and
 # names the layers a pipeline leaves out, and their layer axis, its own way ((stack name, module name, layer

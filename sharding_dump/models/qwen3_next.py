@@ -22,9 +22,18 @@ replicated)::
     decoder/layers/layer_<i>/mlp/routed_experts/...                             routed experts (models/moe.py)
     decoder/layers/layer_<i>/mlp/shared_expert/{wi_0,wi_1,wo}/kernel            like a dense mlp
     decoder/layers/layer_<i>/mlp/shared_expert_gate/kernel                      (embed, layers, None)
+
+MaxText 0.2.5 holds a cycle as its Qwen3NextScannableBlock does (`qwen3_next_layers: local_global`, set by
+data/maxtext_releases.yml): the Gated DeltaNet layers scanned once more inside the cycle, their second
+layer axis `local_layers` after `layers`, and the full-attention layer alone::
+
+    decoder/layers/local_layers/...   as layer_<i < 3> above, with (..., layers, local_layers, ...)
+    decoder/layers/global_layer/...   as layer_3 above
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -33,9 +42,9 @@ import jax.numpy as jnp
 from sharding_dump.core.capture import constrain
 from sharding_dump.models.attention import ATTENTION_INPUT, QKV, causal_attention
 from sharding_dump.models.config import ModelConfig
-from sharding_dump.models.decoder import DecoderLM, LayerCycle
+from sharding_dump.models.decoder import DecoderLM, LayerCycle, Stack
 from sharding_dump.models.dense import MlpBlock, l2_normed
-from sharding_dump.models.layers import BLE, Dense, RMSNorm
+from sharding_dump.models.layers import BLE, Dense, RMSNorm, scan_layers
 from sharding_dump.models.moe import RoutedExperts
 from sharding_dump.models.rope import apply_rotary
 
@@ -160,20 +169,23 @@ class SparseMoeBlock(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    """Pre-norm residual block: Gated DeltaNet or gated full attention, then the MoE block."""
+    """Pre-norm residual block: Gated DeltaNet or gated full attention, then the MoE block. `scan_body`:
+    it returns (x, None), the body of a scan."""
 
     cfg: ModelConfig
     full_attention: bool = False
+    scan_body: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array | tuple[jax.Array, None]:
         cfg = self.cfg
         x = constrain(x, BLE, "layer_input")
         h = constrain(RMSNorm(cfg, UNNAMED, name="input_layernorm")(x), BLE, "pre_attention_norm")
         mixer = FullAttention if self.full_attention else GatedDeltaNet
         x = constrain(x + mixer(cfg, name="attention")(h, positions), BLE, "attention_residual")
         h = constrain(RMSNorm(cfg, UNNAMED, name="post_attention_layernorm")(x), BLE, "post_attention_norm")
-        return constrain(x + SparseMoeBlock(cfg, name="mlp")(h), BLE, "layer_output")
+        out = constrain(x + SparseMoeBlock(cfg, name="mlp")(h), BLE, "layer_output")
+        return (out, None) if self.scan_body else out
 
 
 class Qwen3NextBlock(LayerCycle):
@@ -184,6 +196,25 @@ class Qwen3NextBlock(LayerCycle):
 
     def options(self, index: int) -> dict[str, bool]:
         return {"full_attention": (index + 1) % self.cfg.inhomogeneous_layer_cycle_interval == 0}
+
+
+class Qwen3NextLocalGlobalBlock(nn.Module):
+    """One scanned unit as MaxText 0.2.5's Qwen3NextScannableBlock holds it: the Gated DeltaNet layers of
+    the cycle scanned once more (`local_layers`, their own layer axis after `layers`), then the
+    full-attention layer alone (`global_layer`)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        cfg = self.cfg
+        local = scan_layers(Qwen3NextDecoderLayer, cfg.inhomogeneous_layer_cycle_interval - 1, "local_layers")
+        x, _ = local(cfg, scan_body=True, name="local_layers")(x, positions)
+        return Qwen3NextDecoderLayer(cfg, full_attention=True, name="global_layer")(x, positions), None
+
+
+# How the qwen3_next block holds a cycle's layers, by ModelConfig.qwen3_next_layers (a MaxText release sets it).
+BLOCKS = {"cycle": Qwen3NextBlock, "local_global": Qwen3NextLocalGlobalBlock}
 
 
 class Qwen3NextDecoderLM(DecoderLM):
@@ -200,8 +231,25 @@ class Qwen3NextDecoderLM(DecoderLM):
 
     layer = Qwen3NextBlock
 
+    @classmethod
+    def stacks(cls, cfg: ModelConfig) -> tuple[Stack, ...]:
+        """One stack of cycles, each held as :meth:`cycle_block` says."""
+        return tuple(dataclasses.replace(s, layer=cls.cycle_block(cfg)) for s in super().stacks(cfg))
+
+    @classmethod
+    def cycle_block(cls, cfg: ModelConfig) -> type[nn.Module]:
+        """The module of one cycle, as the release's `qwen3_next_layers` holds it."""
+        if cfg.qwen3_next_layers not in BLOCKS:
+            raise ValueError(f"qwen3_next_layers {cfg.qwen3_next_layers!r}: must be one of {', '.join(BLOCKS)}")
+        return BLOCKS[cfg.qwen3_next_layers]
+
 
 class Qwen35DecoderLM(Qwen3NextDecoderLM):
     """Qwen3.5: Qwen3-Next's hybrid decoder under its own block name."""
 
     decoder_block = "qwen3_5"
+
+    @classmethod
+    def cycle_block(cls, cfg: ModelConfig) -> type[nn.Module]:
+        """One module per layer in every release (MaxText 0.2.5's Qwen3_5ScannableBlock keeps layer_0 ...)."""
+        return Qwen3NextBlock

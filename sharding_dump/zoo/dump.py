@@ -487,11 +487,12 @@ def trace_activations(setup: CaseSetup) -> tuple[Constraint, ...]:
 
 def per_stage(constraint: Constraint) -> Constraint:
     """A constraint placed inside a vmap (a pipeline's stages, vmapped over `stage`) as the function the
-    vmap runs placed it: without the leading dimensions the vmap added, which its logical axes do not
-    name (MaxText's NNX build records a stage's activations so, where its Linen build records none).
-    Any other constraint is returned as it is."""
-    added = len(constraint.shape) - len(constraint.logical_axes)
-    if not constraint.logical_axes or added <= 0:
+    vmap runs placed it: without the leading dimensions the vmap added (`Constraint.vmapped`, the traced
+    rank less the rank its constrain() call saw; fewer logical axes than dimensions only leave the last ones
+    free, as Qwen3-Next's attention output). MaxText's NNX build records a stage's activations so, where its
+    Linen build records none. Any other constraint is returned as it is."""
+    added = constraint.vmapped
+    if added <= 0:
         return constraint
     spec = tuple(constraint.partition_spec) + (None,) * (len(constraint.shape) - len(constraint.partition_spec))
     return dataclasses.replace(constraint, shape=constraint.shape[added:], partition_spec=PartitionSpec(*spec[added:]))

@@ -40,6 +40,7 @@ class Release:
     keys_added: tuple[str, ...]
     keys_removed: tuple[str, ...]
     models_missing: Mapping[str, str]
+    pipeline_fails: Mapping[str, str]  # decoder block -> why the release's MaxText fails to build it pipelined
     builds: tuple[str, ...]
     nnx_keys: tuple[str, ...]  # MaxText keys choosing between its two builds, where it has two
     choose: Mapping[str, Mapping[str, bool]]  # build -> the values of the keys that choose it
@@ -83,7 +84,7 @@ def releases() -> dict[str, Release]:
                                tuple(raw["explicit_blocks"]), tuple(raw["explicit_refused"]), raw["zero1_with_fsdp"],
                                raw["kv_heads_atomic"],
                                tuple(raw["keys_added"]),
-                               tuple(raw["keys_removed"]), dict(raw["models_missing"]),
+                               tuple(raw["keys_removed"]), dict(raw["models_missing"]), dict(raw["pipeline_fails"]),
                                tuple(raw["builds"]["maxtext"]),
                                tuple(raw["builds"]["nnx_keys"]), dict(raw["builds"]["choose"]),
                                tuple(raw["builds"]["nnx_differs"]), tuple(raw["builds"]["nnx_state"]["streams"]),
@@ -220,9 +221,16 @@ def check_case(rel: Release, values: Mapping[str, Any], config: Any, sizes: Mapp
                kv_head_axes: Sequence[str] = ()) -> None:
     """BadInput for what the release's MaxText refuses: shard_mode=explicit for a decoder block outside its
     explicit set or in a case its `explicit_refused` names, ZeRO-1 (shard_optimizer_over_data) with FSDP axes
-    of more than one device, key/value heads split over more shards than there are (`kv_head_axes`: the mesh axes the key projection's
-    kv_heads dimension is placed on). `config`: the card's ModelConfig, None for a user's model."""
+    of more than one device, key/value heads split over more shards than there are (`kv_head_axes`: the mesh
+    axes the key projection's kv_heads dimension is placed on), pipeline stages of a block it fails to build
+    pipelined. `config`: the card's ModelConfig, None for a user's model."""
+    from sharding_dump.models.pipeline import STAGE_AXIS
+
     decoder_block = config.decoder_block if config is not None else None
+    if decoder_block in rel.pipeline_fails and sizes.get(STAGE_AXIS, 1) > 1:
+        raise BadInput(f"pipeline parallelism ({sizes[STAGE_AXIS]} stages): MaxText {rel.version} fails to build "
+                       f"decoder block {decoder_block!r} pipelined: {rel.pipeline_fails[decoder_block]}; size "
+                       f"ici_/dcn_pipeline_parallelism 1")
     if values["shard_mode"] == "explicit" and decoder_block is not None and decoder_block not in rel.explicit_blocks:
         raise BadInput(f"shard_mode=explicit: MaxText {rel.version} does not support decoder block {decoder_block!r} "
                        f"in explicit mode (blocks it supports: {', '.join(rel.explicit_blocks)})")

@@ -383,3 +383,19 @@ def test_resolved_gives_what_a_trace_under_the_other_rules_reads():
     assert specs == {"forward/hidden": ("model", "data"), "backward/hidden": ("model", "data"),
                      "forward/fixed_block": (None, "model"), "backward/fixed_block": (None, "model")}
     assert {c.key: tuple(c.partition_spec) for c in under_a}["forward/hidden"] == ("data", "model")
+
+
+def test_vmapped_counts_the_dimensions_a_vmap_added_not_the_logical_axes_left_free():
+    """`Constraint.vmapped`: the traced rank less the rank constrain() saw. Fewer logical axes than dimensions
+    leave the last ones free (Qwen3-Next's attention output), which is no transform's doing."""
+    rules = (("batch", "data"), ("embed", "model"))
+
+    def step(x):
+        free = sd.constrain(x, ("batch",), "free_tail")  # 1 logical axis for 2 dimensions
+        rows = jax.vmap(lambda row: sd.constrain(row, ("embed",), "row"))(free)  # vmap adds the first
+        return (rows ** 2).sum()
+
+    out = {c.key: (c.shape, c.vmapped) for c in sd.record_activations(
+        jax.grad(step), jax.ShapeDtypeStruct((8, 4), jnp.float32), mesh=AUTO, rules=rules)}
+    assert out["forward/free_tail"] == ((8, 4), 0)
+    assert out["forward/row"] == ((8, 4), 1)

@@ -46,6 +46,14 @@ CASES = [
     ("0.2.5", "deepseek3-671b", "tpu7x-256", "pipeline-large-moe", {**DEEPSEEK3_PIPELINE, "shard_mode": "explicit"}, 4),
     # a pipeline of stages of 6 sequential layers with layers left out: their RNG state (layers_0's only)
     ("0.2.5", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
+    # Qwen3-Next's cycles as Qwen3NextScannableBlock holds them: local_layers (a scan in the scan) and global_layer
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "default", {"ici_expert_parallelism": 4, "ici_tensor_parallelism": 2}),
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "default", {}),
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "shard-exp-on-fsdp", {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-8", "default", {"shard_mode": "explicit"}),  # 0.2.5 accepts it explicit
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),  # Gated DeltaNet's kernels on embed_attn
+    ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "default",  # ZeRO-1 (no FSDP, as 0.2.5 takes it) on the nested stacks
+     {"ici_fsdp_parallelism": 1, "ici_data_parallelism": 4, "ici_expert_parallelism": 4, "shard_optimizer_over_data": True}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
@@ -107,9 +115,11 @@ ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
                    ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE)]
 # MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
 # site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
-# records its stages' own constraints at the stage's shape (36 records, 14 checked).
+# records its stages' own constraints at the stage's shape (36 records, 14 checked); Qwen3-Next's attention output
+# names 3 logical axes for its 4 dimensions and is recorded at its full shape (no vmap added any).
 CHECKED = {("qwen3-0.6b", "default"): 8, ("qwen3-0.6b", "fsdp-as-dp-for-attn"): 8, ("deepseek2-16b", "default"): 22,
-           ("llama2-7b", "default"): 14}
+           ("llama2-7b", "default"): 14, ("qwen3-next-80b-a3b", "default"): 10,
+           ("qwen3-next-80b-a3b", "shard-exp-on-fsdp"): 10}
 
 
 def activation_cases():
