@@ -120,7 +120,7 @@ def test_named_format_2_requires_per_device_bytes_and_format_1_still_reads():
 
     from sharding_dump.golden.codec import check_document, read_document
     doc = read_document(REPO_GOLDEN / "llama2-7b/v5p-16/slice_1/rule_pure-fsdp/named_shardings.json")
-    assert doc["format_version"] == 2 and doc["per_device_bytes"]["model"] == 3370140836  # parameters and RNG state
+    assert doc["format_version"] == 2 and doc["per_device_bytes"]["model"] == 3370141628  # parameters and RNG state (unsafe_rbg keys)
     assert doc["tensors"]["model/decoder/layers/mlp/wi_0/kernel"]["per_device_bytes"] == 512 * 32 * 11008 * 4
     for drop in (("per_device_bytes",), ("tensors", "optimizer/step", "per_device_bytes")):
         broken = copy.deepcopy(doc)
