@@ -434,6 +434,14 @@ class TrainProgram:
                 raise ProgramError(f"TrainProgram(batch=...): field {name!r} is {describe(field)}; give an "
                                    "Input(shape, dtype, logical_axes)")
 
+    def legacy_mesh(self) -> contextlib.AbstractContextManager[None]:
+        """The program's concrete `mesh` as the legacy `with mesh:` context while its init and step are
+        traced (already held to the case's): EasyLM's and t5x's `pjit`, given bare PartitionSpecs, take
+        their mesh from there, and jax places them on a concrete mesh only."""
+        from sharding_dump.core.legacy_mesh import legacy_mesh
+
+        return legacy_mesh(self.mesh) if isinstance(self.mesh, jax.sharding.Mesh) else contextlib.nullcontext()
+
     def batch_fields(self) -> dict[str, Input]:
         for name, field in self.batch.items():
             if not isinstance(field, Input):
@@ -462,7 +470,7 @@ class TrainProgram:
             if mesh is not None and not mesh.empty:
                 refuse_other_mesh(mesh, case, "the program runs on its own mesh", where)
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
-                       "init(key) returns the training state"):
+                       "init(key) returns the training state"), self.legacy_mesh():
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
         check_mesh(closed, case, f"the program's init {_name(self.init)}")
         if not jax.tree.leaves(shapes):
@@ -480,7 +488,7 @@ class TrainProgram:
             state = unbox(state)
             batch = place_batch(batch, input_axes, input_spec, own, shardings)
             with user_code(f"the program's train_step {_name(self.train_step)}", call_text("train_step", [
-                    "state", batch]), "train_step(state, batch) returns (new state, metrics)"):
+                    "state", batch]), "train_step(state, batch) returns (new state, metrics)"), self.legacy_mesh():
                 out = self.train_step(state, batch)
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ProgramError(f"the program's train_step {_name(self.train_step)} returned {describe(out)}; "

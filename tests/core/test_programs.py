@@ -377,3 +377,37 @@ def test_guide_shows_the_model_call_failure_as_printed(tmp_path, capsys, monkeyp
                      "ici_data_parallelism=2", "per_device_batch_size=8", "max_target_length=64",
                      "--output-dir", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == shown + "\n"
+
+
+def legacy_pjit_program() -> sd.TrainProgram:
+    """A trainer in EasyLM's and t5x's style: `pjit` given bare PartitionSpecs for init and step, which
+    take their mesh from the legacy `with mesh:` context the trainer enters around everything; the
+    program gives that concrete mesh as `mesh=`."""
+    from jax.experimental.pjit import pjit
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
+    partition = {"w": P("fsdp", None), "step": P()}
+    init = pjit(lambda key: {"w": jax.random.normal(key, (8 * jax.device_count(), 4)), "step": jnp.zeros((), jnp.int32)},
+                in_shardings=P(), out_shardings=partition)
+
+    def train_step(state, batch):
+        batch = jax.lax.with_sharding_constraint(batch, P("fsdp"))
+        grads = jax.grad(lambda w: jnp.mean(batch["inputs"][..., None] * w[:1]))(state["w"])
+        return {"w": state["w"] - grads, "step": state["step"] + 1}, {}
+
+    step = pjit(train_step, in_shardings=(partition, P()), out_shardings=(partition, P()))
+    return sd.TrainProgram(lambda key: init(jax.random.key_data(key)), step, mesh=mesh,
+                           batch={"inputs": sd.Input(dtype=jnp.float32)})
+
+
+def test_a_pjit_trainer_under_its_with_mesh_dumps_with_mesh_given(tmp_path):
+    """pjit with bare PartitionSpecs needs a concrete mesh in the legacy context (jax: AssertionError on the
+    abstract one, RuntimeError on none): the program's `mesh=` is that context while init and step are traced."""
+    from sharding_dump.zoo import dump
+    from sharding_dump.zoo.case import Case
+
+    (tmp_path / "rules.yml").write_text("mesh_axes: [fsdp]\ndata_sharding: [[fsdp]]\n")
+    case = Case.make("tests.core.test_programs:legacy_pjit_program", f"cpu-{jax.device_count()}",
+                     str(tmp_path / "rules.yml"), overrides={"per_device_batch_size": 2, "max_target_length": 8})
+    named = dump.dump_case(case)["named_shardings.json"]["tensors"]
+    assert named["w"]["partition_spec"] == ["fsdp", None] and named["step"]["partition_spec"] == []
