@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import state as core_state
-from sharding_dump.core.boundary import UserCodeError, guard
+from sharding_dump.core.boundary import UserCodeError, guard, says
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_batch
 from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.errors import shown
@@ -711,7 +711,14 @@ def as_program(obj: Any, name: str = "") -> Program:
                    "a factory takes no arguments and returns a Flax module, a ModelProgram, a TrainProgram or a "
                    "ServingProgram"):
         with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(build)
+            try:
+                abstract = nnx.eval_shape(build)
+            except ValueError as err:  # a factory that sets its mesh (flax's Gemma trainer builds its model
+                if not says(err, "set_mesh"):  # under jax.set_mesh), which jax refuses inside the trace of
+                    raise  # nnx.eval_shape, is run as it is: it builds its state outside any trace
+                held.clear()
+                other.clear()
+                abstract = build()
     if held:
         return dataclasses.replace(held[0], model=abstract)
     built = other[0] if other else abstract

@@ -411,3 +411,22 @@ def test_a_pjit_trainer_under_its_with_mesh_dumps_with_mesh_given(tmp_path):
                      str(tmp_path / "rules.yml"), overrides={"per_device_batch_size": 2, "max_target_length": 8})
     named = dump.dump_case(case)["named_shardings.json"]["tensors"]
     assert named["w"]["partition_spec"] == ["fsdp", None] and named["step"]["partition_spec"] == []
+
+
+def test_a_factory_that_sets_its_mesh_is_run_as_it_is():
+    """flax's Gemma trainer builds its model and optimizer under `jax.set_mesh(mesh)`, which jax refuses
+    inside a trace: a factory doing so is run outside nnx.eval_shape (it failed with jax's `set_mesh can
+    only be used outside of jax.jit`); one that sets no mesh still builds its NNX module abstractly."""
+    from sharding_dump.core.program import as_program
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
+
+    def factory():
+        with jax.set_mesh(mesh):
+            shapes = jax.eval_shape(lambda: {"w": jnp.zeros((8, 4))})
+        return sd.TrainProgram(lambda key: jax.tree.map(lambda s: jnp.zeros(s.shape), shapes),
+                               lambda state, batch: (state, {}), mesh=mesh)
+
+    assert as_program(factory).mesh is mesh
+    built = as_program(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    assert isinstance(built.model.kernel.value, jax.ShapeDtypeStruct)
