@@ -158,11 +158,18 @@ def default_streams() -> tuple[str, ...]:
 
 # --- describing what was passed, guarding the user's code -------------------------------------------
 
+class ArgName(str):
+    """An argument shown by its name in a call's text (`train_step(state, {...})`): a whole training
+    state is too long for the one line, and a quoted 'state' would read as a string passed."""
+
+
 def describe(value: Any) -> str:
     """A short text for an argument: `int32[8,128]` for an array, `{inputs: int32[8,128], ...}` for a
     mapping, the repr (cut) for anything else."""
     from sharding_dump.errors import shown
 
+    if isinstance(value, ArgName):
+        return str(value)
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"{getattr(value.dtype, 'name', value.dtype)}[{','.join(map(str, value.shape))}]"
     if isinstance(value, Mapping):
@@ -488,7 +495,7 @@ class TrainProgram:
             state = unbox(state)
             batch = place_batch(batch, input_axes, input_spec, own, shardings)
             with user_code(f"the program's train_step {_name(self.train_step)}", call_text("train_step", [
-                    "state", batch]), "train_step(state, batch) returns (new state, metrics)"), self.legacy_mesh():
+                    ArgName("state"), batch]), "train_step(state, batch) returns (new state, metrics)"), self.legacy_mesh():
                 out = self.train_step(state, batch)
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ProgramError(f"the program's train_step {_name(self.train_step)} returned {describe(out)}; "

@@ -430,3 +430,19 @@ def test_a_factory_that_sets_its_mesh_is_run_as_it_is():
     assert as_program(factory).mesh is mesh
     built = as_program(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
     assert isinstance(built.model.kernel.value, jax.ShapeDtypeStruct)
+
+
+def test_a_failing_train_step_names_the_state_it_was_passed_by_name():
+    """The error line shows the call as `train_step(state, {inputs: int32[...], ...})`: the state by its
+    name, not as the quoted string 'state' (which read as if a str had been passed)."""
+    from sharding_dump.core.program import ProgramError
+
+    def init(key):
+        return {"w": jnp.zeros((8, 4))}
+
+    def train_step(state, batch):
+        raise RuntimeError("boom")
+
+    step = sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()}).step(None, None)
+    with pytest.raises(ProgramError, match=r"the harness passed train_step\(state, \{inputs: int32\[4,8\]\}\)"):
+        step({"w": jnp.zeros((8, 4))}, {"inputs": jnp.zeros((4, 8), jnp.int32)})
