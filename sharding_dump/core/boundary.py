@@ -296,6 +296,12 @@ def message(err: BaseException) -> str:
     return told
 
 
+def says(err: BaseException, name: str) -> bool:
+    """True when `err`'s message holds the `says` of data/user_code.yml's hint named `name` (e.g. jax's
+    refusal of `jax.set_mesh` inside a trace)."""
+    return any(entry.get("name") == name and entry["says"] in str(err) for entry in _told().get("hints", ()))
+
+
 def _hint(err: BaseException) -> str:
     """What data/user_code.yml's `hints` say to do about `err`'s message ("" when none holds it)."""
     text = str(err)

@@ -147,10 +147,11 @@ def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
             "a pytest or Python process needs it set before JAX starts)")
 
 
-def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh") -> None:
+def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh",
+               types: bool = True) -> None:
     """BadInput, one line naming both meshes, when `what` (e.g. `the program's init`) places its arrays
-    on a mesh whose axis names, sizes or types are not `mesh`'s: the dump would lay the program's specs
-    on another mesh than the one it runs on."""
+    on a mesh whose axis names, sizes or types (`types` False: names and sizes) are not `mesh`'s: the
+    dump would lay the program's specs on another mesh than the one it runs on."""
     seen: set[tuple[MeshShape, tuple[str, ...]]] = set()  # an abstract mesh's axis types are the case's
     # as the program's own `auto_axes` / `explicit_axes` region changed them: only a concrete mesh's are its own
     for found, where in _named_meshes(closed):
@@ -161,7 +162,7 @@ def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the 
                               lambda shape=key[0]: ", or build the program's mesh with the case's device count "
                               "(jax.devices()) or from jax.sharding.get_abstract_mesh()"
                               + _device_hint(closed, shape, mesh_shape(mesh)),
-                              types=isinstance(found, jax.sharding.Mesh))
+                              types=types and isinstance(found, jax.sharding.Mesh))
 
 
 def refuse_other_mesh(found: Any, mesh: Any, said: str, where: str, case_mesh: str = "the case's mesh",

@@ -135,13 +135,14 @@ def placed(state: Any, specs: Mapping[str, PartitionSpec], mesh: Any) -> Any:
 
 def box_params_axes(variables: Any) -> Any:
     """Every Mapping in `variables` that holds both `params` and `params_axes` (flax variables, or a
-    state keeping them side by side) with each parameter boxed as an :class:`AxesBox` of its names;
-    anything else as it was (the very object, when nothing holds `params_axes`)."""
+    state keeping them side by side) with each parameter boxed as an :class:`AxesBox` of its names, a
+    state object holding `params_axes` as an attribute (t5x's) boxed by it too; anything else as it was
+    (the very object, when nothing holds `params_axes`)."""
     from flax.core import unfreeze
     from flax.linen import partitioning
 
     if not isinstance(variables, Mapping):
-        return variables
+        return _box_by_axes_attribute(variables)
     items = dict(variables)
     if "params" in items and AXES_COLLECTION in items:
         names = partitioning.get_axis_names(unfreeze(items[AXES_COLLECTION]))
@@ -149,6 +150,33 @@ def box_params_axes(variables: Any) -> Any:
         return items
     boxed = {key: box_params_axes(value) for key, value in items.items()}
     return boxed if any(boxed[key] is not items[key] for key in items) else variables
+
+
+def _box_by_axes_attribute(state: Any) -> Any:
+    """A train state object keeping its parameters' `params_axes` as an attribute (t5x's
+    FlaxOptimTrainState: the parameters at `_optimizer/target/...`, their moments in its optimizer
+    state) with every array whose path ends in a parameter's path, at its rank, boxed with its names:
+    t5x's own `as_logical_axes()` gives a parameter's moments its names too. Else `state` as it was."""
+    from flax.core import unfreeze
+    from flax.linen import partitioning
+    from flax.traverse_util import flatten_dict
+
+    from sharding_dump.core.tree import is_box, path_text
+
+    axes = getattr(state, AXES_COLLECTION, None)
+    if not isinstance(axes, Mapping) or not axes:
+        return state
+    names = {"/".join(key): tuple(spec) for key, spec in
+             flatten_dict(unfreeze(partitioning.get_axis_names(unfreeze(axes)))).items()}
+
+    def box(key_path: Any, leaf: Any) -> Any:
+        if is_box(leaf) or not hasattr(leaf, "shape"):
+            return leaf
+        parts = path_text(key_path).split("/")
+        found = next((names[key] for key in ("/".join(parts[i:]) for i in range(len(parts))) if key in names), None)
+        return AxesBox(leaf, names=found) if found is not None and len(found) == len(leaf.shape) else leaf
+
+    return jax.tree_util.tree_map_with_path(box, state, is_leaf=is_box)
 
 
 def _boxed(params: Any, names: Any) -> Any:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import state as core_state
-from sharding_dump.core.boundary import UserCodeError, guard
+from sharding_dump.core.boundary import UserCodeError, guard, says
 from sharding_dump.core.step import BATCH_FIELDS, Step, next_token_step, place_batch
 from sharding_dump.core.tree import is_box, path_text, unbox
 from sharding_dump.errors import shown
@@ -158,11 +158,18 @@ def default_streams() -> tuple[str, ...]:
 
 # --- describing what was passed, guarding the user's code -------------------------------------------
 
+class ArgName(str):
+    """An argument shown by its name in a call's text (`train_step(state, {...})`): a whole training
+    state is too long for the one line, and a quoted 'state' would read as a string passed."""
+
+
 def describe(value: Any) -> str:
     """A short text for an argument: `int32[8,128]` for an array, `{inputs: int32[8,128], ...}` for a
     mapping, the repr (cut) for anything else."""
     from sharding_dump.errors import shown
 
+    if isinstance(value, ArgName):
+        return str(value)
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"{getattr(value.dtype, 'name', value.dtype)}[{','.join(map(str, value.shape))}]"
     if isinstance(value, Mapping):
@@ -434,6 +441,14 @@ class TrainProgram:
                 raise ProgramError(f"TrainProgram(batch=...): field {name!r} is {describe(field)}; give an "
                                    "Input(shape, dtype, logical_axes)")
 
+    def legacy_mesh(self) -> contextlib.AbstractContextManager[None]:
+        """The program's concrete `mesh` as the legacy `with mesh:` context while its init and step are
+        traced (already held to the case's): EasyLM's and t5x's `pjit`, given bare PartitionSpecs, take
+        their mesh from there, and jax places them on a concrete mesh only."""
+        from sharding_dump.core.legacy_mesh import legacy_mesh
+
+        return legacy_mesh(self.mesh) if isinstance(self.mesh, jax.sharding.Mesh) else contextlib.nullcontext()
+
     def batch_fields(self) -> dict[str, Input]:
         for name, field in self.batch.items():
             if not isinstance(field, Input):
@@ -462,7 +477,7 @@ class TrainProgram:
             if mesh is not None and not mesh.empty:
                 refuse_other_mesh(mesh, case, "the program runs on its own mesh", where)
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
-                       "init(key) returns the training state"):
+                       "init(key) returns the training state"), self.legacy_mesh():
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
         check_mesh(closed, case, f"the program's init {_name(self.init)}")
         if not jax.tree.leaves(shapes):
@@ -480,7 +495,7 @@ class TrainProgram:
             state = unbox(state)
             batch = place_batch(batch, input_axes, input_spec, own, shardings)
             with user_code(f"the program's train_step {_name(self.train_step)}", call_text("train_step", [
-                    "state", batch]), "train_step(state, batch) returns (new state, metrics)"):
+                    ArgName("state"), batch]), "train_step(state, batch) returns (new state, metrics)"), self.legacy_mesh():
                 out = self.train_step(state, batch)
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ProgramError(f"the program's train_step {_name(self.train_step)} returned {describe(out)}; "
@@ -703,7 +718,14 @@ def as_program(obj: Any, name: str = "") -> Program:
                    "a factory takes no arguments and returns a Flax module, a ModelProgram, a TrainProgram or a "
                    "ServingProgram"):
         with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(build)
+            try:
+                abstract = nnx.eval_shape(build)
+            except ValueError as err:  # a factory that sets its mesh (flax's Gemma trainer builds its model
+                if not says(err, "set_mesh"):  # under jax.set_mesh), which jax refuses inside the trace of
+                    raise  # nnx.eval_shape, is run as it is: it builds its state outside any trace
+                held.clear()
+                other.clear()
+                abstract = build()
     if held:
         return dataclasses.replace(held[0], model=abstract)
     built = other[0] if other else abstract

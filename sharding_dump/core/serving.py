@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding_dump.core.capture import Constraint, explicit_mesh, read_constraints, recording
 from sharding_dump.core.handback import check_mesh, demanded, returned
 from sharding_dump.core.tree import path_text, unbox
-from sharding_dump.core.program import (Input, ProgramError, ServingProgram, ServingSettings, ServingStep, call_text,
+from sharding_dump.core.program import (ArgName, Input, ProgramError, ServingProgram, ServingSettings, ServingStep, call_text,
                                         describe, user_code)
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ def trace_steps(program: ServingProgram, settings: ServingSettings, state: Any, 
             inputs[field] = abstract
         if step.takes is not None:
             inputs[step.takes] = outputs_of[step.takes]
-        with user_code(f"the program's {name} step", call_text(name, ["state", inputs, settings]),
+        with user_code(f"the program's {name} step", call_text(name, [ArgName("state"), inputs, settings]),
                        f"{name}(state, inputs, settings) returns (new state, outputs)"), recording() as rec:
             closed, (new_state, outputs) = _traced(step.fn, state, inputs, settings, name)
         _check_state(name, state, new_state)

@@ -175,7 +175,8 @@ def _check_even_splits(setup: CaseSetup) -> None:
     pads it): say which one, before anything is traced on the Explicit mesh."""
     if serving.serves(setup.case):  # traced on the Auto mesh: Explicit refuses uneven splits
         layouts = list(serving.init_layouts(serving.program_key(setup), setup.plan, setup.rule_set, False,
-                                            serving.settings_of(setup.values, setup.batch.global_batch_size))[1])
+                                            serving.settings_of(setup.values, setup.batch.global_batch_size),
+                                            False)[1])
     elif _own_init(setup):  # a user's own init is traced once, on the case's Explicit mesh: the state the dump reads
         layouts = _own_layouts(setup)
     else:

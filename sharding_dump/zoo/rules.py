@@ -396,9 +396,14 @@ def use_warnings(rule_set: RuleSet, docs: Mapping[str, Mapping[str, Any]], known
             f"{path} ({axes} names, rank {rank})" for path, axes, rank in mismatched[:3])
             + (f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""))
     if ACTIVATIONS_FILE in docs and not model_constraints(docs[ACTIVATIONS_FILE], batch_fields):
-        warnings.append("the model placed no activation sharding constraint in its training step: "
-                        f"{ACTIVATIONS_FILE} holds only the batch (a helper gated on a mesh the harness does not "
-                        "set, or shardings given only to jit, are not seen)")
+        if not rule_set.logical_axis_rules:  # flax resolves a logical constraint to none without rules
+            warnings.append("the model placed no activation sharding constraint in its training step that resolves "
+                            f"to a layout: {ACTIVATIONS_FILE} holds only the batch ({rule_set.path} has no "
+                            "logical_axis_rules, so any constraint in logical axes resolves to none)")
+        else:
+            warnings.append("the model placed no activation sharding constraint in its training step: "
+                            f"{ACTIVATIONS_FILE} holds only the batch (a helper gated on a mesh the harness does "
+                            "not set, or shardings given only to jit, are not seen)")
     return warnings
 
 

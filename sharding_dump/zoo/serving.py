@@ -147,9 +147,11 @@ def _on(plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool) -> Iterator[Any
 
 @functools.lru_cache(maxsize=64)
 def init_layouts(ref: ProgramKey, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool,
-                 settings: ServingSettings) -> tuple[Any, tuple[TensorLayout, ...]]:
+                 settings: ServingSettings, types: bool = True) -> tuple[Any, tuple[TensorLayout, ...]]:
     """The program's init traced once: its abstract state and every leaf's layout (what init placed
-    itself, else its boxes and the rule file)."""
+    itself, else its boxes and the rule file). `types` False: traced on the Auto mesh for its sizes
+    only, in a case whose mesh is Explicit, so a concrete mesh of the program's with Explicit axes
+    (jax-llm-examples' `jax.make_mesh`) is the case's and its axis types are not compared here."""
     from sharding_dump.core.handback import check_mesh
     from sharding_dump.core.placement import declared_specs, placed_outputs
     from sharding_dump.core.program import boxed_view
@@ -157,7 +159,7 @@ def init_layouts(ref: ProgramKey, plan: MeshPlan, rule_set: rules.RuleSet, expli
 
     with _on(plan, rule_set, explicit) as mesh:
         shapes, closed = init_state(_program(ref), settings, abstract_key())
-        check_mesh(closed, mesh, "the program's init")
+        check_mesh(closed, mesh, "the program's init", types=types)
         raw, declared = placed_outputs(shapes, declared_specs(closed), mesh)
         return raw, tuple(state.tensor_layouts(boxed_view(raw), plan, rule_set, False, declared))
 
@@ -170,7 +172,7 @@ def trace_case(ref: ProgramKey, plan: MeshPlan, rule_set: rules.RuleSet, explici
     from sharding_dump.core.placement import placed
 
     program = _program(ref)
-    raw, layouts = init_layouts(ref, plan, rule_set, explicit, settings)
+    raw, layouts = init_layouts(ref, plan, rule_set, explicit, settings, True)
 
     def input_spec(field: Input) -> PartitionSpec:
         return resolve(field.logical_axes, rule_set) if field.logical_axes else PartitionSpec()
@@ -374,9 +376,11 @@ def memory_fit(setup: Any) -> Fit | None:
         return None
     settings = settings_of(setup.values, setup.batch.global_batch_size)
     args = (program_key(setup), setup.plan, setup.rule_set, False)
-    layouts = init_layouts(*args, settings)[1]
-    slots = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, slots=2 * settings.slots))[1])
-    length = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, max_length=2 * settings.max_length))[1])
+    types = not setup.explicit  # the Auto mesh is the case's own only in an Auto case
+    layouts = init_layouts(*args, settings, types)[1]
+    slots = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, slots=2 * settings.slots), types)[1])
+    length = _scaled(layouts, init_layouts(*args, dataclasses.replace(settings, max_length=2 * settings.max_length),
+                                           types)[1])
     used = sum(t.per_device_bytes for t in layouts)
     cache = sum(t.per_device_bytes for t in layouts if t.path.split("/", 1)[0] in program_of(setup).cache)
     return Fit(hbm, used, cache, settings.slots, settings.max_length, _largest(slots, settings.slots, hbm),

@@ -446,3 +446,28 @@ def test_explicit_mode_names_regex_placed_weights(fresh):
     layouts = layouts_of(spec)
     assert layouts["params/transformer/h_0/feed_forward/w1/kernel"].source == "regex"
     assert layouts["opt_state/0/mu/transformer/h_0/feed_forward/w1/kernel"].source == "regex"
+
+
+def test_a_state_object_holding_params_axes_boxes_its_parameters_and_their_moments():
+    """t5x's FlaxOptimTrainState keeps `params_axes` as an attribute beside `_optimizer` (its target, the
+    parameters, and its optimizer state): every array whose path ends in a parameter's path, at its rank,
+    carries the parameter's names, as t5x's own `as_logical_axes()` gives them (they were [] in
+    logical_shardings.json); a leaf of another rank (a count) is left as it was."""
+    import flax.struct
+    from flax.linen.partitioning import AxisMetadata
+
+    from sharding_dump.core.placement import AxesBox, box_params_axes
+
+    class OptimTrainState(flax.struct.PyTreeNode):
+        _optimizer: dict
+        params_axes: dict
+
+    state = OptimTrainState(
+        _optimizer={"target": {"mlp": {"wi": {"kernel": jnp.zeros((4, 8))}}},
+                    "state": {"count": jnp.zeros(()), "mu": {"mlp": {"wi": {"kernel": jnp.zeros((4, 8))}}}}},
+        params_axes={"mlp": {"wi": {"kernel_axes": AxisMetadata(names=("embed", "mlp"))}}})
+    boxed = box_params_axes(state)
+    target, mu = boxed._optimizer["target"]["mlp"]["wi"]["kernel"], boxed._optimizer["state"]["mu"]["mlp"]["wi"]["kernel"]
+    assert isinstance(target, AxesBox) and target.names == ("embed", "mlp")
+    assert isinstance(mu, AxesBox) and mu.names == ("embed", "mlp")
+    assert not isinstance(boxed._optimizer["state"]["count"], AxesBox)

@@ -377,3 +377,72 @@ def test_guide_shows_the_model_call_failure_as_printed(tmp_path, capsys, monkeyp
                      "ici_data_parallelism=2", "per_device_batch_size=8", "max_target_length=64",
                      "--output-dir", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == shown + "\n"
+
+
+def legacy_pjit_program() -> sd.TrainProgram:
+    """A trainer in EasyLM's and t5x's style: `pjit` given bare PartitionSpecs for init and step, which
+    take their mesh from the legacy `with mesh:` context the trainer enters around everything; the
+    program gives that concrete mesh as `mesh=`."""
+    from jax.experimental.pjit import pjit
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
+    partition = {"w": P("fsdp", None), "step": P()}
+    init = pjit(lambda key: {"w": jax.random.normal(key, (8 * jax.device_count(), 4)), "step": jnp.zeros((), jnp.int32)},
+                in_shardings=P(), out_shardings=partition)
+
+    def train_step(state, batch):
+        batch = jax.lax.with_sharding_constraint(batch, P("fsdp"))
+        grads = jax.grad(lambda w: jnp.mean(batch["inputs"][..., None] * w[:1]))(state["w"])
+        return {"w": state["w"] - grads, "step": state["step"] + 1}, {}
+
+    step = pjit(train_step, in_shardings=(partition, P()), out_shardings=(partition, P()))
+    return sd.TrainProgram(lambda key: init(jax.random.key_data(key)), step, mesh=mesh,
+                           batch={"inputs": sd.Input(dtype=jnp.float32)})
+
+
+def test_a_pjit_trainer_under_its_with_mesh_dumps_with_mesh_given(tmp_path):
+    """pjit with bare PartitionSpecs needs a concrete mesh in the legacy context (jax: AssertionError on the
+    abstract one, RuntimeError on none): the program's `mesh=` is that context while init and step are traced."""
+    from sharding_dump.zoo import dump
+    from sharding_dump.zoo.case import Case
+
+    (tmp_path / "rules.yml").write_text("mesh_axes: [fsdp]\ndata_sharding: [[fsdp]]\n")
+    case = Case.make("tests.core.test_programs:legacy_pjit_program", f"cpu-{jax.device_count()}",
+                     str(tmp_path / "rules.yml"), overrides={"per_device_batch_size": 2, "max_target_length": 8})
+    named = dump.dump_case(case)["named_shardings.json"]["tensors"]
+    assert named["w"]["partition_spec"] == ["fsdp", None] and named["step"]["partition_spec"] == []
+
+
+def test_a_factory_that_sets_its_mesh_is_run_as_it_is():
+    """flax's Gemma trainer builds its model and optimizer under `jax.set_mesh(mesh)`, which jax refuses
+    inside a trace: a factory doing so is run outside nnx.eval_shape (it failed with jax's `set_mesh can
+    only be used outside of jax.jit`); one that sets no mesh still builds its NNX module abstractly."""
+    from sharding_dump.core.program import as_program
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
+
+    def factory():
+        with jax.set_mesh(mesh):
+            shapes = jax.eval_shape(lambda: {"w": jnp.zeros((8, 4))})
+        return sd.TrainProgram(lambda key: jax.tree.map(lambda s: jnp.zeros(s.shape), shapes),
+                               lambda state, batch: (state, {}), mesh=mesh)
+
+    assert as_program(factory).mesh is mesh
+    built = as_program(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    assert isinstance(built.model.kernel.value, jax.ShapeDtypeStruct)
+
+
+def test_a_failing_train_step_names_the_state_it_was_passed_by_name():
+    """The error line shows the call as `train_step(state, {inputs: int32[...], ...})`: the state by its
+    name, not as the quoted string 'state' (which read as if a str had been passed)."""
+    from sharding_dump.core.program import ProgramError
+
+    def init(key):
+        return {"w": jnp.zeros((8, 4))}
+
+    def train_step(state, batch):
+        raise RuntimeError("boom")
+
+    step = sd.TrainProgram(init, train_step, batch={"inputs": sd.Input()}).step(None, None)
+    with pytest.raises(ProgramError, match=r"the harness passed train_step\(state, \{inputs: int32\[4,8\]\}\)"):
+        step({"w": jnp.zeros((8, 4))}, {"inputs": jnp.zeros((4, 8), jnp.int32)})

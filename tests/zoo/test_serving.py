@@ -5,6 +5,8 @@ that hands the cache back replicated, a generate step that keeps it in another l
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -92,3 +94,44 @@ def test_a_prompt_longer_than_the_cache_is_one_line(fresh):
         (k, 128 if k == "max_prefill_predict_length" else v) for k, v in example_case().overrides))
     with pytest.raises(BadInput, match=r"^max_prefill_predict_length=\(128\): longer than the cache"):
         dump.case_layouts(case)
+
+
+def own_mesh_server():
+    """A server that builds its own concrete mesh over `jax.devices()`, with Explicit axes, as
+    jax-llm-examples' llama3 main.py does (`jax.make_mesh(..., devices=jax.devices(), axis_types=...)`),
+    and places its weights and cache on it with `jit(out_shardings=...)`."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    import sharding_dump as sd
+
+    def init(key, settings):
+        mesh = jax.make_mesh((jax.device_count(),), ("x",), devices=jax.devices(), 
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+        return jax.jit(lambda: {"weights": jnp.zeros((8, 4)), "cache": jnp.zeros((settings.slots, settings.max_length, 4))},
+                       out_shardings={"weights": NamedSharding(mesh, P()), "cache": NamedSharding(mesh, P("x"))})()
+
+    def generate(state, inputs, settings):
+        return state, {"next": inputs["tokens"] + 1}
+
+    return sd.ServingProgram(init, {"generate": sd.ServingStep(generate, {"tokens": sd.Input(("slots", 1))})})
+
+
+def test_a_server_on_its_own_explicit_mesh_dumps_in_explicit_mode(fresh, tmp_path):
+    """shard_mode=explicit with a server whose own concrete mesh has Explicit axes: its init, also traced
+    on the Auto mesh for the even-split check and the memory fit, is the case's (that trace compares no
+    axis types); in shard_mode=auto the same mesh is still refused naming both axis types."""
+    from sharding_dump.errors import BadInput
+    from sharding_dump.zoo.case import Case
+
+    (tmp_path / "rules.yml").write_text("mesh_axes: [x]\ndata_sharding: [[x]]\n")
+    settings = {"per_device_batch_size": 1, "max_target_length": 16, "max_prefill_predict_length": 8}
+
+    def case(mode):
+        return Case.make("tests.zoo.test_serving:own_mesh_server", f"cpu-{jax.device_count()}",
+                         str(tmp_path / "rules.yml"), overrides={**settings, "shard_mode": mode})
+
+    docs = dump.dump_case(case("explicit"))
+    assert docs["named_shardings.json"]["tensors"]["cache"]["partition_spec"] == ["x", None, None]
+    with pytest.raises(BadInput, match=r"\(Explicit axes\) \(jit <lambda>\), not on the case's mesh x=\d+ \(Auto axes\)"):
+        dump.dump_case(case("auto"))

@@ -64,7 +64,8 @@ def _serving_step(setup: Any, layouts: Any) -> StepParts:
     if step.takes is not None:
         raise BadInput(f"verify compiles a serving case's last step, {name!r}, and it takes the outputs of "
                        f"{step.takes!r}: give the program a last step that takes the state and its own inputs")
-    raw = serving.init_layouts(serving.program_key(setup), setup.plan, setup.rule_set, setup.explicit, settings)[0]
+    raw = serving.init_layouts(serving.program_key(setup), setup.plan, setup.rule_set, setup.explicit, settings,
+                               True)[0]
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), unbox(raw))
     inputs = {field: spec.sized(settings.sizes()) for field, spec in step.inputs.items()}
     return StepParts(lambda s, i: step.fn(s, i, settings), state, inputs, {t.path: t.partition_spec for t in layouts},
