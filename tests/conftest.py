@@ -59,7 +59,7 @@ def pytest_configure_node(node: object) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test of one case of the matrix (its golden test, and any test parametrized by the Case)
     joins the case's xdist group; so does a test whose parameters name a case by its label (a MaxText
-    release's or Linen build's comparison, whose id holds `<model>/<topology>/slice_<n>/rule_...`):
+    release's or Linen build's comparison, whose id or folder holds `<model>/<topology>/slice_<n>/rule_...`):
     the case is traced once per run, by the one worker that runs its group. Any other test that uses a
     module-scoped fixture of its test module (a program dumped in a subprocess, a rule edit dumped
     once) joins that fixture's group, so the fixture is built once per run rather than once per worker
@@ -103,10 +103,13 @@ _CASE_LABEL = re.compile(r"[^/:\s\[\]]+/[^/\s]+/slice_\d+/rule_[^/\s\[\]]+")
 
 def case_label_in_id(item: pytest.Item) -> str | None:
     """The case label a parametrized test's id names (`0.2.5:qwen3-0.6b/tpu7x-16/slice_1/rule_default`
-    names `qwen3-0.6b/tpu7x-16/slice_1/rule_default`), else None."""
+    names `qwen3-0.6b/tpu7x-16/slice_1/rule_default`), else one its text or path parameters name (a
+    MaxText dump's folder `.../maxtext/blocks/<label>`), else None."""
     callspec = getattr(item, "callspec", None)
-    found = _CASE_LABEL.search(callspec.id) if callspec is not None else None
-    return found.group(0) if found else None
+    if callspec is None:
+        return None
+    texts = [callspec.id] + [str(value) for value in callspec.params.values() if isinstance(value, (str, Path))]
+    return next((found.group(0) for text in texts if (found := _CASE_LABEL.search(text))), None)
 
 
 def _shared_fixtures(item: pytest.Item) -> list[str]:
