@@ -7,6 +7,7 @@ aborts the process when it is imported a second time, and a re-imported flax wou
 """
 
 import gc
+import re
 from pathlib import Path  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
 
@@ -57,9 +58,12 @@ def pytest_configure_node(node: object) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test of one case of the matrix (its golden test, and any test parametrized by the Case)
-    joins the case's xdist group; any other test that uses a module-scoped fixture of its test module
-    (a program dumped in a subprocess, a rule edit dumped once) joins that fixture's group, so the
-    fixture is built once per run rather than once per worker (before xdist reads the groups)."""
+    joins the case's xdist group; so does a test whose parameters name a case by its label (a MaxText
+    release's or Linen build's comparison, whose id or folder holds `<model>/<topology>/slice_<n>/rule_...`):
+    the case is traced once per run, by the one worker that runs its group. Any other test that uses a
+    module-scoped fixture of its test module (a program dumped in a subprocess, a rule edit dumped
+    once) joins that fixture's group, so the fixture is built once per run rather than once per worker
+    (before xdist reads the groups)."""
     from sharding_dump.zoo.case import Case
 
     for item in items:
@@ -68,6 +72,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             case = next((value for value in item.callspec.params.values() if isinstance(value, Case)), None)
         if isinstance(case, Case):
             item.add_marker(pytest.mark.xdist_group(case.label))
+        elif label := case_label_in_id(item):
+            item.add_marker(pytest.mark.xdist_group(label))
         elif shared := _shared_fixtures(item):
             item.add_marker(pytest.mark.xdist_group(shared[0]))
 
@@ -89,6 +95,21 @@ def pytest_collection_modifyitems_group_ids(config: pytest.Config, items: list[p
                         for mark in item.iter_markers("xdist_group")})
         if names and not item.nodeid.endswith("@" + "_".join(names)):
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]
+
+
+# A case's label (Case.label, its golden folder under the golden root) inside a parametrized test's id.
+_CASE_LABEL = re.compile(r"[^/:\s\[\]]+/[^/\s]+/slice_\d+/rule_[^/\s\[\]]+")
+
+
+def case_label_in_id(item: pytest.Item) -> str | None:
+    """The case label a parametrized test's id names (`0.2.5:qwen3-0.6b/tpu7x-16/slice_1/rule_default`
+    names `qwen3-0.6b/tpu7x-16/slice_1/rule_default`), else one its text or path parameters name (a
+    MaxText dump's folder `.../maxtext/blocks/<label>`), else None."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    texts = [callspec.id] + [str(value) for value in callspec.params.values() if isinstance(value, (str, Path))]
+    return next((found.group(0) for text in texts if (found := _CASE_LABEL.search(text))), None)
 
 
 def _shared_fixtures(item: pytest.Item) -> list[str]:

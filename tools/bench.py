@@ -6,6 +6,7 @@
     python tools/bench.py --model deepseek2-16b --model deepseek3-671b   # only these models' cases
     python tools/bench.py --verify --model llama2-7b --cases 1   # `sharding-dump verify` per case instead
     python tools/bench.py --suite    # each CI step (pytest -n 2, -m compile, -m sweep, -m package, the docs site): wall time
+    python tools/bench.py --suite-cpu   # the default suite: CPU seconds per test, per file, per process's start
     python tools/bench.py --table    # the speed table: each figure beside its floor and goal, paired in one run
     python tools/bench.py --table --no-suite   # the same without the test suite (minutes less)
     python tools/bench.py --maxtext MAXTEXT/tests/utils/sharding_dump.py   # run with a Python that has MaxText
@@ -218,6 +219,48 @@ def bench_suite(workers: int) -> None:
     bench_docs()
 
 
+def bench_suite_cpu(workers: int, top: int = 25) -> None:
+    """The default suite with -n `workers`, each test's CPU seconds (tools/cpu_per_test.py): the
+    whole run's wall and CPU, each process's start (imports, conftest, collection), the `top` tests and
+    test files by CPU. On a shared machine CPU seconds are what wall seconds would be on a quiet one."""
+    import collections
+
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "CPU_PER_TEST_DIR": folder,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tools"), os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider",
+                   "-p", "cpu_per_test"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        rows = {path.stem: [line.rstrip("\n").split("\t") for line in path.open(encoding="utf-8")]
+                for path in sorted(Path(folder).glob("*.tsv"))}
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    last = proc.stdout.strip().splitlines()[-1].strip("= ") if proc.stdout.strip() else ""
+    print(f"default suite, python -m pytest -n {workers}: {wall:.1f} s wall, {cpu:.1f} s CPU, load average "
+          f"{os.getloadavg()[0]:.1f} ({last})")
+    tests = [(float(r[1]) + float(r[2]), float(r[2]), r[4]) for lines in rows.values() for r in lines if r[0] == "test"]
+    starts = ", ".join(f"{name} {r[1]} s" for name, lines in rows.items() for r in lines if r[0] == "start")
+    ends = ", ".join(f"{name} {r[1]} s" for name, lines in rows.items() for r in lines if r[0] == "end")
+    print(f"CPU before the first test (interpreter, imports, conftest, collection): {starts}; "
+          f"each process in all: {ends}")
+    print(f"tests: {sum(t[0] for t in tests):.1f} s CPU in {len(tests)} tests, "
+          f"{sum(t[1] for t in tests):.1f} s of it in child processes")
+    print(f"\n{'CPU s':>7} {'child':>7}  test (the {top} that cost most)")
+    for total, child, node in sorted(tests, reverse=True)[:top]:
+        print(f"{total:>7.2f} {child:>7.2f}  {node[:150]}")
+    files: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    for total, _, node in tests:
+        files[node.split("::")[0]] += total
+        counts[node.split("::")[0]] += 1
+    print(f"\n{'CPU s':>7} {'tests':>6}  file (the {top} that cost most)")
+    for name, total in files.most_common(top):
+        print(f"{total:>7.2f} {counts[name]:>6}  {name}")
+
+
 def bench_docs() -> None:
     """Wall time of CI's docs step, `mkdocs build --strict` (when the docs extra is installed)."""
     mkdocs = Path(sys.executable).with_name("mkdocs")
@@ -277,7 +320,9 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=[], help="only cases of this model (repeatable)")
     parser.add_argument("--verify", action="store_true", help="benchmark `sharding-dump verify` per case instead")
     parser.add_argument("--suite", action="store_true", help="time the test suite (pytest -n WORKERS) instead")
-    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for --suite (default 2)")
+    parser.add_argument("--suite-cpu", action="store_true",
+                        help="the default suite (pytest -n WORKERS) with each test's CPU seconds (tools/cpu_per_test.py)")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for --suite, --suite-cpu (default 2)")
     parser.add_argument("--table", action="store_true", help="the speed table: each figure beside its floor")
     parser.add_argument("--no-suite", action="store_true", help="with --table, leave the test suite out")
     parser.add_argument("--maxtext", metavar="SCRIPT", help="MaxText's own dump against python -m sharding_dump.maxtext")
@@ -287,6 +332,9 @@ def main() -> None:
         return
     if args.suite:
         bench_suite(args.workers)
+        return
+    if args.suite_cpu:
+        bench_suite_cpu(args.workers)
         return
     if args.table:
         bench_table(load_matrix(), not args.no_suite, args.repeat)

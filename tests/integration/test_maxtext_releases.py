@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import REPO, compare_maxtext_tool
+from helpers import REPO, compare_maxtext_tool, sweep_beyond_first
 from sharding_dump.zoo.case import Case, golden_dir
 from sharding_dump.zoo.goldens import check_or_update
+from sharding_dump.zoo.matrix import load_matrix
 
 RELEASES = REPO / "tests" / "data" / "maxtext" / "releases"
 ZERO1_PIPELINE = {"ici_data_parallelism": 2, "ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
@@ -79,7 +80,18 @@ def test_every_reference_of_a_release_is_a_case_here():
     assert kept == sorted(golden_dir(case_of(*c), RELEASES / c[0]) for c in CASES)
 
 
-@pytest.mark.parametrize("entry", CASES, ids=lambda c: f"{c[0]}:{case_of(*c).label}")
+def by_default(entry: tuple) -> str:
+    """What keeps a comparison in the default suite (helpers.sweep_beyond_first): each case of the matrix
+    (its golden test traces it in the same worker, tests/conftest.py), and the first other case of
+    each release; the rest run with -m sweep."""
+    label = case_of(*entry).label
+    return label if label in MATRIX_LABELS else entry[0]
+
+
+MATRIX_LABELS = frozenset(c.label for c in load_matrix())
+
+
+@pytest.mark.parametrize("entry", sweep_beyond_first(CASES, by_default), ids=lambda c: f"{c[0]}:{case_of(*c).label}")
 def test_release_case_matches_maxtexts_nnx_dump_by_path(entry, tmp_path):
     case = case_of(*entry)
     check_or_update(case, tmp_path, update=True)
