@@ -164,6 +164,18 @@ def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the 
                               types=isinstance(found, jax.sharding.Mesh))
 
 
+def check_context_mesh(given: Any, mesh: Any, where: str, types: bool = True) -> None:
+    """BadInput, one line naming both meshes, when the mesh a program runs on without naming it in its
+    shardings is not `mesh` (the case's): `given` as the program gives it (`where`, e.g.
+    `TrainProgram(mesh=...)`: a mesh set as a context, as Levanter's trainer and haliax's `named_jit`
+    take it, which a traced init or step cannot set), or a mesh the program set with `jax.set_mesh`
+    before the harness traced it. `types` False compares axis names and sizes only (`mesh` is a trace's
+    of another mode than the case's). Call outside any trace (jax reads no set mesh inside one)."""
+    for found, said in ((given, where), (jax.sharding.get_mesh(), "set with jax.set_mesh")):
+        if found is not None and not found.empty:
+            refuse_other_mesh(found, mesh, "the program runs on its own mesh", said, types=types)
+
+
 def refuse_other_mesh(found: Any, mesh: Any, said: str, where: str, case_mesh: str = "the case's mesh",
                       hint: Callable[[], str] = str, types: bool = True) -> None:
     """BadInput, one line naming both meshes (`said` the program's mesh, `where` what names it), when the
