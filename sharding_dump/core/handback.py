@@ -142,9 +142,9 @@ def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
     if not concrete or size == wanted or size != jax.device_count():
         return ""
     return (f"; this process has {size} device{'s' * (size != 1)} and the program's mesh spans all of them: start it "
-            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds the "
-            "count of the first user program it runs, and --all dumps each other count in a process of its own; "
-            "a pytest or Python process needs it set before JAX starts)")
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command and the "
+            "pytest plugin give a program case its count, in a process of its own where theirs has another; "
+            "Python code calling the harness itself needs it set before JAX starts)")
 
 
 def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh") -> None:
