@@ -20,7 +20,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from sharding_dump.errors import BadInput, one_line, shown
+from sharding_dump.errors import BadInput, DeviceCountError, one_line, shown
 from sharding_dump.resources import MAX_DIGITS
 
 if TYPE_CHECKING:  # the commands import what they need when they run
@@ -226,13 +226,18 @@ def give_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), count)
 
 
+def _backend_started() -> bool:
+    """Whether jax's backend runs in this process (asking starts none)."""
+    from jax._src import xla_bridge  # jax has no public question that leaves the backend unstarted
+
+    return xla_bridge.backends_are_initialized()
+
+
 def serves(count: int) -> bool:
     """Whether a program run in this process sees `count` devices when it asks for them: jax's backend
     started with that many, or not started yet with XLA_FLAGS asking for that many CPU devices (one
     without the flag). Asking starts no backend."""
-    from jax._src import xla_bridge  # jax has no public question that leaves the backend unstarted
-
-    if xla_bridge.backends_are_initialized():
+    if _backend_started():
         import jax
 
         return jax.device_count() == count
@@ -263,12 +268,16 @@ def _device_worker(count: int) -> Any:
     return _WORKERS[count]
 
 
-def _called(fn: Callable[..., Any], limit: float, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-    """`fn(*args)` in a worker, under the parent's time limit, with the warnings it raised."""
+def _called(fn: Callable[..., Any], limit: float, where: tuple[str, list[str]],
+            args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """`fn(*args)` in a worker, in the parent's working folder and import path as they are now (the
+    worker outlives the call it was started for), under its time limit, with the warnings it raised."""
     import warnings
 
     from sharding_dump.core.boundary import time_limit
 
+    os.chdir(where[0])
+    sys.path[:] = where[1]
     with time_limit(limit), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         out = fn(*args)
@@ -284,7 +293,8 @@ def in_device_worker(count: int, fn: Callable[..., Any], *args: Any) -> Any:
     from sharding_dump.core.boundary import current_limit
 
     try:
-        out, caught = _device_worker(count).submit(_called, fn, current_limit(), args).result()
+        out, caught = _device_worker(count).submit(_called, fn, current_limit(), (os.getcwd(), list(sys.path)),
+                                                   args).result()
     except BrokenProcessPool:
         forget_worker(count)
         raise BadInput(f"the worker process started with {count} CPU devices for the case ended before it answered "
@@ -299,14 +309,19 @@ def where_served(count: int | None, fn: Callable[..., Any], *args: Any) -> Any:
     a program that builds its mesh over `jax.devices()` sees that count; where this process cannot give
     it (its backend runs with another, or pytest's, which the plugin never changes), here first (a
     program that asks for no devices is dumped as well here, where the user's edits of it hold), and
-    when that fails, again in a worker process started with the count, whose answer stands (a user's
-    error there carries its traceback's text, as here)."""
+    again in a worker process started with the count, whose answer stands, when the count may be why
+    it failed here: its mesh spans this process's devices (DeviceCountError), or it failed after
+    starting the backend itself (it asked for the devices: Levanter's trainer builds its mesh of them)."""
     if count is None or serves(count):
         return fn(*args)
+    started = _backend_started()
     try:
         return fn(*args)
+    except DeviceCountError:
+        pass
     except BadInput:
-        pass  # the device count may be why: asked again where the count is given
+        if started or not _backend_started():
+            raise
     return in_device_worker(count, fn, *args)
 
 

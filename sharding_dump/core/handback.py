@@ -55,7 +55,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import specs
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, DeviceCountError
 
 MeshShape = tuple[tuple[str, int], ...]  # ((axis name, size), ...) in the mesh's order
 _JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
@@ -186,9 +186,11 @@ def refuse_other_mesh(found: Any, mesh: Any, said: str, where: str, case_mesh: s
     if not want:  # traced outside any mesh: nothing to hold the program's against
         return
     if shape != want:
-        raise BadInput(f"{said} {mesh_text(shape)} ({where}), not on {case_mesh} {mesh_text(want)}: give the case "
-                       "the program's mesh (the rule file's mesh_axes and the ici_/dcn_*_parallelism settings)"
-                       + hint())
+        spans = isinstance(found, jax.sharding.Mesh) and found.size == jax.device_count() != math.prod(
+            n for _, n in want)  # a mesh over jax.devices(): this process's count decided it
+        raise (DeviceCountError if spans else BadInput)(
+            f"{said} {mesh_text(shape)} ({where}), not on {case_mesh} {mesh_text(want)}: give the case the "
+            "program's mesh (the rule file's mesh_axes and the ici_/dcn_*_parallelism settings)" + hint())
     kinds, wanted = axis_kinds(found), axis_kinds(mesh)
     if types and not _same_kinds(kinds, wanted):
         raise BadInput(f"{said} {mesh_text(shape, kinds)} ({where}), not on {case_mesh} {mesh_text(want, wanted)}: "

@@ -596,9 +596,9 @@ def test_all_gives_each_program_case_its_own_device_count(tmp_path, jobs):
         result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "--all"], cwd=tmp_path,
                                 capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-def all_devices_project(path, count: int) -> None:
+def all_devices_project(path, count: int, source: str = ALL_DEVICES) -> None:
     """A project of one case: ALL_DEVICES on cpu-`count`, its mesh the program's own over jax.devices()."""
-    (path / "all_devices.py").write_text(ALL_DEVICES)
+    (path / "all_devices.py").write_text(source)
     (path / "mesh.yml").write_text("mesh_axes: [fsdp]\n")
     (path / "cases.yml").write_text(f"cases:\n  - {{model: prog, topology: cpu-{count}, rule: mesh, "
                                     f"overrides: {{ici_fsdp_parallelism: {count}}}}}\n")
@@ -634,12 +634,20 @@ def pytest_sessionfinish(session):
 """
 
 
-def test_the_plugin_gives_a_program_its_cases_count_in_a_worker(tmp_path):
+# As Levanter's trainer fails building its mesh over too few devices, before anything is traced.
+TOO_FEW = ALL_DEVICES.replace("def program():\n", "def program():\n    if len(jax.devices()) % 4:\n        raise "
+                              "ValueError(f'ICI product 4 does not divide devices_per_slice {len(jax.devices())}')\n")
+
+
+@pytest.mark.parametrize("source", [ALL_DEVICES, TOO_FEW], ids=["mesh-over-the-devices", "fails-with-too-few"])
+def test_the_plugin_gives_a_program_its_cases_count_in_a_worker(tmp_path, source):
     """Plain pytest, no XLA_FLAGS: the plugin checks a program case of 4 devices in a worker process
-    started with 4 CPU devices, and the user's process keeps its environment and its one device
-    (mutation: _golden_where_served always checks here, and the update fails: `this process has 1
-    device and the program's mesh spans all of them`)."""
-    all_devices_project(tmp_path, 4)
+    started with 4 CPU devices when it fails here for want of them (its mesh spans this process's one
+    device, or it fails after asking for the devices), and the user's process keeps its environment
+    and its one device (mutations: options.where_served always answers here, and the update fails:
+    `this process has 1 device and the program's mesh spans all of them`; it asks the worker on a
+    DeviceCountError only, and the second fails: `ICI product 4 does not divide devices_per_slice 1`)."""
+    all_devices_project(tmp_path, 4, source)
     (tmp_path / "conftest.py").write_text(USER_PROCESS)
     env = {name: value for name, value in os.environ.items() if name not in ("XLA_FLAGS", "PYTEST_ADDOPTS")}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]), JAX_PLATFORMS="cpu")
