@@ -13,10 +13,10 @@ the layout the step's `in_shardings` demand (`batch.program_spec` in activation_
 the program's mesh, which must be the case's: another shape is refused in one line naming both.
 A program that sets its mesh as a context instead (Levanter's `with trainer:`, haliax's `named_jit`
 taking the mesh from it) names it as `TrainProgram(mesh=...)`: `small_lm_context` places everything
-on `jax.sharding.get_abstract_mesh()`, and its mesh too must be the case's. The process needs as
-many CPU devices as the mesh has:
+on `jax.sharding.get_abstract_mesh()`, and its mesh too must be the case's. The command and the
+pytest plugin give the program as many CPU devices as the case has (here 8):
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 sharding-dump --model examples.eqx_lm:small_lm \\
+    sharding-dump --model examples.eqx_lm:small_lm \\
         --topology cpu-8 --rule examples/eqx_rules.yml ici_data_parallelism=4 ici_model_parallelism=2 \\
         per_device_batch_size=2 max_target_length=32
 """

@@ -13,7 +13,9 @@ cache holds `slots` requests of `max_length` tokens, in int8 or bfloat16.
 
 The mesh axes are the program's own (`x` for the batch, `y` and `z` for tensors), declared by
 `examples/llama3_serving_rules.yml`; the program reaches the case's mesh as it reaches its own,
-through `jax.sharding.get_abstract_mesh()`.
+through `jax.sharding.get_abstract_mesh()`. A server that sets its mesh as a context around its
+steps (`with jax.set_mesh(mesh):`, which a traced step cannot do) gives it as
+`program(base, mesh=mesh)`, `ServingProgram(mesh=...)`: the harness holds it against the case's.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ def generate(state: dict, inputs: dict, settings: sd.ServingSettings, base: l3.C
     return {**state, "cache": cache}, {"next_tokens": next_tokens}
 
 
-def program(base: l3.Config) -> sd.ServingProgram:
-    """Weights and a cache of `slots` requests, a prefill of `slots` prompts, a decode step."""
+def program(base: l3.Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> sd.ServingProgram:
+    """Weights and a cache of `slots` requests, a prefill of `slots` prompts, a decode step; on `mesh`
+    when the server sets it as a context."""
 
     def init(key: jax.Array, settings: sd.ServingSettings) -> dict[str, Any]:
         cfg = config(base, settings)
@@ -76,7 +79,7 @@ def program(base: l3.Config) -> sd.ServingProgram:
     return sd.ServingProgram(init, {
         "prefill": sd.ServingStep(step(prefill), {"tokens": sd.Input(("slots", "prefill_length"))}),
         "generate": sd.ServingStep(step(generate), {"tokens": sd.Input(("slots", 1))}),
-    })
+    }, mesh=mesh)
 
 
 def small_llama3() -> sd.ServingProgram:

@@ -26,6 +26,11 @@ class BadInput(Exception):
     """A user-facing input error: one line, no traceback, exit status 2."""
 
 
+class DeviceCountError(BadInput):
+    """The program's own mesh spans every device of this process, whose count is not the case's: a
+    process started with the case's count answers otherwise (the command and the plugin ask one)."""
+
+
 class UnevenSplitWarning(UserWarning):
     """A dumped case has leaves that do not split evenly over their mesh axes: XLA pads the last shard.
     The dump still succeeds (exit 0); the CLI prints it as one `sharding-dump: warning:` line."""

@@ -221,22 +221,16 @@ class GoldenChecker:
 
     def _check(self, case: "Case") -> "Outcome":
         from sharding_dump.errors import BadInput, one_line
-        from sharding_dump.maxtext.case import MaxTextCase
 
-        if isinstance(case, MaxTextCase):  # run through the installed MaxText's own code
-            from sharding_dump.maxtext import goldens
-        else:
-            from sharding_dump.zoo import goldens
         try:
+            outcome, kind = _golden_where_served(case, self.root, self.update)
             if self.update:
-                outcome, kind = goldens.update(case, self.root, repair=True)
                 self._note(kind)
                 for what in outcome.replaced:  # the summary says what the update replaced unread
                     from sharding_dump.golden.engine import display
 
                     self._note(f"{REPLACED}{display(outcome.folder)}/{what}")
                 return outcome
-            outcome = goldens.check_or_update(case, self.root, update=False)
         except BadInput as err:  # a damaged golden tree, the user's code failing: one line, like the CLI
             fail(self.config, f"{case.label}: {one_line(str(err))}", err)
         if not outcome.ok:  # -vv: every changed tensor, else a report of at most MAX_REPORT_LINES lines
@@ -282,6 +276,30 @@ class GoldenChecker:
         was deselected): the goldens it writes are known only once it has run."""
         return getattr(self.config, "_sharding_dump_deselected", 0) > 0 or any(
             item is not self.item and FIXTURE in getattr(item, "fixturenames", ()) for item in self.item.session.items)
+
+
+def _golden(case: "Case", root: Path, update: bool) -> tuple["Outcome", str]:
+    """The case's golden checked, or (update) rewritten with what the update did, in this process."""
+    from sharding_dump.maxtext.case import MaxTextCase
+
+    if isinstance(case, MaxTextCase):  # run through the installed MaxText's own code
+        from sharding_dump.maxtext import goldens
+    else:
+        from sharding_dump.zoo import goldens
+    if update:
+        return goldens.update(case, root, repair=True)
+    return goldens.check_or_update(case, root, update=False), ""
+
+
+def _golden_where_served(case: "Case", root: Path, update: bool) -> tuple["Outcome", str]:
+    """:func:`_golden`, for a user's program in a worker process started with the case's device count
+    when this process has another and the check fails here (a program may build its mesh over
+    `jax.devices()`): the plugin never changes the user's process (its XLA_FLAGS, its backend)."""
+    from sharding_dump.commands import options
+    from sharding_dump.maxtext.case import MaxTextCase
+
+    count = None if isinstance(case, MaxTextCase) else options.cpu_devices(case)
+    return options.where_served(count, _golden, case, root, update)
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -500,6 +518,15 @@ class _Working:
 
 def _covered(anchor: Path, paths: Iterable[Path]) -> bool:
     return any(path == anchor or path in anchor.parents for path in paths)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The worker processes golden checks started (one per device count) shut down with the run."""
+    import sys
+
+    options = sys.modules.get("sharding_dump.commands.options")
+    if options is not None:
+        options.close_workers()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -90,12 +90,13 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
     jax does not survive a fork), a model's cases in one worker, the largest groups started first.
     User programs of several device counts (a process's CPU devices are fixed when its backend starts)
     are dumped in worker processes whatever `jobs`, a pool of workers started with each count (at
-    least one worker a count)."""
+    least one worker a count); one count's cases here, or where this process cannot give the count
+    (:func:`~sharding_dump.commands.options.where_served`)."""
     counts = {case: options.cpu_devices(case) for case in cases}
     several = len(set(counts.values()) - {None}) > 1
     if (jobs <= 1 or len(cases) <= 1) and not several:
         for case in cases:
-            yield dump_one(case, golden_dir)
+            yield options.where_served(counts[case], dump_one, case, golden_dir)
         return
     from sharding_dump.core.boundary import current_limit
 
@@ -112,7 +113,7 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
                 max_workers=max(1, min(jobs // len(by_count), len(shares))),
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=None if devices is None else options.give_cpu_devices,
+                initializer=None if devices is None else options.start_cpu_worker,
                 initargs=() if devices is None else (devices,)))
             pools.append(pool)
             futures.update({pool.submit(_dump_group, [cases[i] for i in group], golden_dir, current_limit()): group

@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from sharding_dump.errors import BadInput, one_line, shown
+from sharding_dump.errors import BadInput, DeviceCountError, one_line, shown
 from sharding_dump.resources import MAX_DIGITS
 
 if TYPE_CHECKING:  # the commands import what they need when they run
@@ -224,6 +224,118 @@ def give_cpu_devices(count: int) -> None:
     stay what they are, so a process serves one count (`--all` dumps the cases of each other count in
     a process of its own)."""
     os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), count)
+
+
+def _backend_started() -> bool:
+    """Whether jax's backend runs in this process (asking starts none)."""
+    from jax._src import xla_bridge  # jax has no public question that leaves the backend unstarted
+
+    return xla_bridge.backends_are_initialized()
+
+
+def serves(count: int) -> bool:
+    """Whether a program run in this process sees `count` devices when it asks for them: jax's backend
+    started with that many, or not started yet with XLA_FLAGS asking for that many CPU devices (one
+    without the flag). Asking starts no backend."""
+    if _backend_started():
+        import jax
+
+        return jax.device_count() == count
+    given = [flag.partition("=")[2] for flag in os.environ.get("XLA_FLAGS", "").split()
+             if flag.startswith(f"{DEVICE_COUNT_FLAG}=")]
+    return (given[-1] if given else "1") == str(count)
+
+
+def start_cpu_worker(count: int) -> None:
+    """A worker process's start (a pool's initializer): `count` CPU devices, on the CPU whatever the
+    parent's JAX_PLATFORMS (the case's devices are CPU devices)."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    give_cpu_devices(count)
+
+
+_WORKERS: dict[int, Any] = {}  # device count -> the pool of one worker started with that count
+
+
+def _device_worker(count: int) -> Any:
+    """A worker process started with `count` CPU devices (spawned: jax does not survive a fork), kept
+    for this process's later cases of that count."""
+    if count not in _WORKERS:
+        import multiprocessing
+        from concurrent.futures.process import ProcessPoolExecutor  # the module pickle finds it in
+
+        _WORKERS[count] = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                              initializer=start_cpu_worker, initargs=(count,))
+    return _WORKERS[count]
+
+
+def _called(fn: Callable[..., Any], limit: float, where: tuple[str, list[str]],
+            args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """`fn(*args)` in a worker, in the parent's working folder and import path as they are now (the
+    worker outlives the call it was started for), under its time limit, with the warnings it raised."""
+    import warnings
+
+    from sharding_dump.core.boundary import time_limit
+
+    os.chdir(where[0])
+    sys.path[:] = where[1]
+    with time_limit(limit), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        out = fn(*args)
+    return out, tuple(caught)
+
+
+def in_device_worker(count: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` (a module-level function) in a worker process started with `count` CPU devices: its
+    result, its BadInput raised here, its warnings shown here."""
+    import warnings
+    from concurrent.futures.process import BrokenProcessPool
+
+    from sharding_dump.core.boundary import current_limit
+
+    try:
+        out, caught = _device_worker(count).submit(_called, fn, current_limit(), (os.getcwd(), list(sys.path)),
+                                                   args).result()
+    except BrokenProcessPool:
+        forget_worker(count)
+        raise BadInput(f"the worker process started with {count} CPU devices for the case ended before it answered "
+                       "(killed, or out of memory)") from None
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return out
+
+
+def where_served(count: int | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` for a case of `count` devices (None: a zoo case, which starts no backend) here, where
+    a program that builds its mesh over `jax.devices()` sees that count; where this process cannot give
+    it (its backend runs with another, or pytest's, which the plugin never changes), here first (a
+    program that asks for no devices is dumped as well here, where the user's edits of it hold), and
+    again in a worker process started with the count, whose answer stands, when the count may be why
+    it failed here: its mesh spans this process's devices (DeviceCountError), or it failed after
+    starting the backend itself (it asked for the devices: Levanter's trainer builds its mesh of them)."""
+    if count is None or serves(count):
+        return fn(*args)
+    started = _backend_started()
+    try:
+        return fn(*args)
+    except DeviceCountError:
+        pass
+    except BadInput:
+        if started or not _backend_started():
+            raise
+    return in_device_worker(count, fn, *args)
+
+
+def forget_worker(count: int) -> None:
+    """The worker of `count` shut down (it died, or the run is over): the next case starts another."""
+    pool = _WORKERS.pop(count, None)
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def close_workers() -> None:
+    """Every worker of :func:`device_worker` shut down."""
+    for count in list(_WORKERS):
+        forget_worker(count)
 
 
 def _maxtext_case(args: argparse.Namespace, verb: str, project: Project) -> Case:

@@ -55,7 +55,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import specs
-from sharding_dump.errors import BadInput
+from sharding_dump.errors import BadInput, DeviceCountError
 
 MeshShape = tuple[tuple[str, int], ...]  # ((axis name, size), ...) in the mesh's order
 _JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
@@ -142,9 +142,9 @@ def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
     if not concrete or size == wanted or size != jax.device_count():
         return ""
     return (f"; this process has {size} device{'s' * (size != 1)} and the program's mesh spans all of them: start it "
-            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command adds the "
-            "count of the first user program it runs, and --all dumps each other count in a process of its own; "
-            "a pytest or Python process needs it set before JAX starts)")
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command and the "
+            "pytest plugin give a program case its count, in a process of its own where theirs has another; "
+            "Python code calling the harness itself needs it set before JAX starts)")
 
 
 def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the case's mesh",
@@ -165,6 +165,18 @@ def check_mesh(closed: ClosedJaxpr, mesh: Any, what: str, case_mesh: str = "the 
                               types=types and isinstance(found, jax.sharding.Mesh))
 
 
+def check_context_mesh(given: Any, mesh: Any, where: str, types: bool = True) -> None:
+    """BadInput, one line naming both meshes, when the mesh a program runs on without naming it in its
+    shardings is not `mesh` (the case's): `given` as the program gives it (`where`, e.g.
+    `TrainProgram(mesh=...)`: a mesh set as a context, as Levanter's trainer and haliax's `named_jit`
+    take it, which a traced init or step cannot set), or a mesh the program set with `jax.set_mesh`
+    before the harness traced it. `types` False compares axis names and sizes only (`mesh` is a trace's
+    of another mode than the case's). Call outside any trace (jax reads no set mesh inside one)."""
+    for found, said in ((given, where), (jax.sharding.get_mesh(), "set with jax.set_mesh")):
+        if found is not None and not found.empty:
+            refuse_other_mesh(found, mesh, "the program runs on its own mesh", said, types=types)
+
+
 def refuse_other_mesh(found: Any, mesh: Any, said: str, where: str, case_mesh: str = "the case's mesh",
                       hint: Callable[[], str] = str, types: bool = True) -> None:
     """BadInput, one line naming both meshes (`said` the program's mesh, `where` what names it), when the
@@ -175,9 +187,11 @@ def refuse_other_mesh(found: Any, mesh: Any, said: str, where: str, case_mesh: s
     if not want:  # traced outside any mesh: nothing to hold the program's against
         return
     if shape != want:
-        raise BadInput(f"{said} {mesh_text(shape)} ({where}), not on {case_mesh} {mesh_text(want)}: give the case "
-                       "the program's mesh (the rule file's mesh_axes and the ici_/dcn_*_parallelism settings)"
-                       + hint())
+        spans = isinstance(found, jax.sharding.Mesh) and found.size == jax.device_count() != math.prod(
+            n for _, n in want)  # a mesh over jax.devices(): this process's count decided it
+        raise (DeviceCountError if spans else BadInput)(
+            f"{said} {mesh_text(shape)} ({where}), not on {case_mesh} {mesh_text(want)}: give the case the "
+            "program's mesh (the rule file's mesh_axes and the ici_/dcn_*_parallelism settings)" + hint())
     kinds, wanted = axis_kinds(found), axis_kinds(mesh)
     if types and not _same_kinds(kinds, wanted):
         raise BadInput(f"{said} {mesh_text(shape, kinds)} ({where}), not on {case_mesh} {mesh_text(want, wanted)}: "

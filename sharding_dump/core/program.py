@@ -397,6 +397,13 @@ class ModelProgram:
 
 # --- level 2: the user's own init and step --------------------------------------------------------------
 
+def _check_mesh_argument(owner: str, mesh: Any) -> None:
+    """ProgramError naming `owner(mesh=...)` when `mesh` is neither None nor a mesh."""
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise ProgramError(f"{owner}(mesh={describe(mesh)}): give the mesh the program runs on, a "
+                           "jax.sharding.Mesh (Levanter's trainer.device_mesh) or AbstractMesh, or None")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
     """The user's own training program: `init(key) -> state` (the full training state, parameters
@@ -427,9 +434,7 @@ class TrainProgram:
             if isinstance(fn, (nn.Module, _nnx().Module)) or hf_module(fn) is not None:
                 raise ProgramError(f"TrainProgram({name}={describe(fn)}): a model, not a function {form}; a factory "
                                    "returns the model itself, or a ModelProgram of it, for the harness's own step")
-        if self.mesh is not None and not isinstance(self.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-            raise ProgramError(f"TrainProgram(mesh={describe(self.mesh)}): give the mesh the program runs on, a "
-                               "jax.sharding.Mesh (Levanter's trainer.device_mesh) or AbstractMesh, or None")
+        _check_mesh_argument("TrainProgram", self.mesh)
         if not isinstance(self.batch, Mapping) or not self.batch:
             raise ProgramError(f"TrainProgram(batch={describe(self.batch)}): give a non-empty mapping, field name -> "
                                "Input(shape, dtype, logical_axes), e.g. {'inputs': Input(), 'targets': Input()}")
@@ -469,13 +474,11 @@ class TrainProgram:
         as on an Explicit one (:mod:`sharding_dump.core.placement`). An init that places its state on
         a mesh of its own other than the current one is refused (:func:`~sharding_dump.core.handback.
         check_mesh`)."""
-        from sharding_dump.core.handback import check_mesh, refuse_other_mesh
+        from sharding_dump.core.handback import check_context_mesh, check_mesh
         from sharding_dump.core.placement import declared_specs, placed_outputs
 
         case = jax.sharding.get_abstract_mesh()
-        for mesh, where in ((self.mesh, "TrainProgram(mesh=...)"), (jax.sharding.get_mesh(), "set with jax.set_mesh")):
-            if mesh is not None and not mesh.empty:
-                refuse_other_mesh(mesh, case, "the program runs on its own mesh", where)
+        check_context_mesh(self.mesh, case, "TrainProgram(mesh=...)")
         with user_code(f"the program's init {_name(self.init)}", call_text("init", [key]),
                        "init(key) returns the training state"), self.legacy_mesh():
             closed, shapes = jax.make_jaxpr(self.init, return_shape=True)(key)
@@ -593,13 +596,16 @@ class ServingProgram:
     the program places them) and `steps`, name -> :class:`ServingStep` (or a bare function with no
     inputs), in the order a request meets them (prefill, insert, generate; or one mixed step).
     `cache`: the top-level keys of the state that hold the KV cache (counted as cache in the goldens
-    and in `check`)."""
+    and in `check`). `mesh`: the mesh the server runs on when it sets it as a context rather than
+    naming it in its shardings, held against the case's as :class:`TrainProgram`'s `mesh` is."""
 
     init: Callable[[jax.Array, ServingSettings], Any]
     steps: Mapping[str, ServingStep]
     cache: tuple[str, ...] = ("cache",)
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
     def __post_init__(self) -> None:
+        _check_mesh_argument("ServingProgram", self.mesh)
         if not callable(self.init):
             raise ProgramError(f"ServingProgram(init={describe(self.init)}): give a function init(key, settings) "
                                "-> state")

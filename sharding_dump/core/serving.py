@@ -38,7 +38,7 @@ from jax.extend.core import ClosedJaxpr
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core.capture import Constraint, explicit_mesh, read_constraints, recording
-from sharding_dump.core.handback import check_mesh, demanded, returned
+from sharding_dump.core.handback import check_context_mesh, check_mesh, demanded, returned
 from sharding_dump.core.tree import path_text, unbox
 from sharding_dump.core.program import (ArgName, Input, ProgramError, ServingProgram, ServingSettings, ServingStep, call_text,
                                         describe, user_code)
@@ -62,7 +62,10 @@ class StepTrace:
 
 def init_state(program: ServingProgram, settings: ServingSettings, key: Any) -> tuple[Any, ClosedJaxpr]:
     """`init(key, settings)` traced once (call it inside the case's mesh and rules): its abstract state
-    and jaxpr."""
+    and jaxpr. The program's `mesh=`, or a mesh it set with `jax.set_mesh`, in other axis names or
+    sizes than the case's is refused first (:func:`~sharding_dump.core.handback.check_context_mesh`;
+    init is traced on either mode's mesh, so its axis types are held by :func:`trace_steps`)."""
+    check_context_mesh(program.mesh, jax.sharding.get_abstract_mesh(), "ServingProgram(mesh=...)", types=False)
     with user_code("the program's init", call_text("init", [key, settings]),
                    "init(key, settings) returns the serving state: weights and KV cache"):
         closed, shapes = jax.make_jaxpr(lambda k: program.init(k, settings), return_shape=True)(key)
@@ -87,7 +90,9 @@ def trace_steps(program: ServingProgram, settings: ServingSettings, state: Any, 
     """Every step traced once on `state` (abstract; on an Explicit mesh each leaf carries its layout in
     its type), in order; call inside the case's mesh and rules. `state_in`: {leaf path: the spec the
     server holds it in}; `input_spec` places an input field on an Explicit mesh (a server hands its
-    inputs in with some layout)."""
+    inputs in with some layout). The program's own mesh (`mesh=`, `jax.set_mesh`) is held against
+    `mesh` first, axis types too."""
+    check_context_mesh(program.mesh, mesh, "ServingProgram(mesh=...)")
     traces: list[StepTrace] = []
     outputs_of: dict[str, Any] = {}
     state = unbox(state)

@@ -145,10 +145,53 @@ def test_a_mesh_the_program_sets_as_a_context_is_held_against_the_case():
 
     with jax.sharding.use_abstract_mesh(case), pytest.raises(ProgramError, match=(
             r"failed with ValueError: `set_mesh` can only be used outside of `jax.jit`\. at .*test_handback.py:\d+ .*; "
-            r"the harness traces init and the step, where jax sets no mesh: .* TrainProgram\(mesh=\.\.\.\)")):
+            r"the harness traces init and the step, where jax sets no mesh: .* set it when "
+            r"the program's module is imported .* or give it as TrainProgram\(mesh=\.\.\.\)")):
         sd.TrainProgram(init_in_context, step).placed_state(jax.random.key(0))
     with pytest.raises(ProgramError, match=r"^TrainProgram\(mesh='data'\): give the mesh the program runs on"):
         sd.TrainProgram(init, step, mesh="data")
+
+
+# A program module that enters its mesh as the context of everything it runs, as Levanter's own entry
+# points enter `trainer.use_device_mesh()` (haliax's named_jit takes the mesh from there), and names it
+# nowhere else: no TrainProgram(mesh=...).
+CONTEXT_MODULE = """
+import dataclasses
+import jax
+from examples import eqx_lm
+
+MESH = eqx_lm.MeshConfig(axes={axes!r})
+jax.set_mesh(MESH.build())  # a global setter: the mesh of every later call, as `with trainer:` around a run
+
+
+def small_lm():
+    return dataclasses.replace(eqx_lm.program(MESH, context=True), mesh=None)
+"""
+
+
+def test_a_mesh_the_program_module_sets_is_read_without_mesh_argument(tmp_path):
+    """The program's module sets its mesh with jax.set_mesh when it is imported and places everything on
+    the context's mesh: the command gives it its 8 devices and dumps it; the module's mesh changed
+    (data 4 x model 2 -> data 2 x model 4, Levanter's `trainer.mesh.axes model: 2 -> 4`) is refused in
+    one line naming both meshes (mutation: handback.check_context_mesh reads no jax.sharding.get_mesh(),
+    and the changed program dumps the same golden)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "-m", "sharding_dump.commands.cli", "--model", "context_lm:small_lm", "--topology",
+               "cpu-8", "--rule", str(REPO / "examples/eqx_rules.yml"), "ici_data_parallelism=4",
+               "ici_model_parallelism=2", "per_device_batch_size=2", "max_target_length=32", "--golden-dir", "out"]
+    results = []
+    for axes in ((("data", 4), ("model", 2)), (("data", 2), ("model", 4))):
+        (tmp_path / "context_lm.py").write_text(CONTEXT_MODULE.format(axes=axes))
+        results.append(subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600))
+    assert results[0].returncode == 0, results[0].stderr[-3000:]
+    (named,) = (tmp_path / "out").rglob("named_shardings.json")
+    tensors = json.loads(named.read_text())["tensors"]  # (embed, qkv, heads, head_dim): embed -> data, heads -> model
+    assert tensors["model/blocks/0/qkv/weight"]["partition_spec"] == ["data", None, "model", None]
+    assert results[1].returncode == 2 and results[1].stderr.count("\n") == 1, results[1].stderr[-3000:]
+    assert results[1].stderr.startswith(
+        "sharding-dump: error: the program runs on its own mesh data=2 x model=4 (set with jax.set_mesh), not on the "
+        "case's mesh data=4 x model=2: give the case the program's mesh"), results[1].stderr
 
 
 # --- a program that places its own batch and constrains its whole state at the end of its step -----------

@@ -38,6 +38,8 @@ def write(state, inputs, settings):
      r"field 'tokens' shape entry 'batch': a serving input's sizes are ints or one of slots"),
     (lambda: sd.ServingStep(write, requests=0), r"ServingStep\(requests=0\): give a whole number >= 1 or one of"),
     (lambda: sd.ServingProgram(tiny_init, {}), r"ServingProgram\(steps=\{\}\): give a non-empty mapping"),
+    (lambda: sd.ServingProgram(tiny_init, {"write": write}, mesh="x"),
+     r"^ServingProgram\(mesh='x'\): give the mesh the program runs on, a jax.sharding.Mesh"),
     (lambda: sd.ServingProgram(tiny_init, {"insert": sd.ServingStep(write, takes="prefill")}),
      r"step 'insert' takes the outputs of 'prefill', which is not an earlier step \(none\)"),
     (lambda: sd.ServingProgram(tiny_init, {"bad name": write}), r"step name 'bad name': give letters, digits"),

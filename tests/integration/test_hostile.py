@@ -596,6 +596,70 @@ def test_all_gives_each_program_case_its_own_device_count(tmp_path, jobs):
         result = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "--all"], cwd=tmp_path,
                                 capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+def all_devices_project(path, count: int, source: str = ALL_DEVICES) -> None:
+    """A project of one case: ALL_DEVICES on cpu-`count`, its mesh the program's own over jax.devices()."""
+    (path / "all_devices.py").write_text(source)
+    (path / "mesh.yml").write_text("mesh_axes: [fsdp]\n")
+    (path / "cases.yml").write_text(f"cases:\n  - {{model: prog, topology: cpu-{count}, rule: mesh, "
+                                    f"overrides: {{ici_fsdp_parallelism: {count}}}}}\n")
+    (path / "pyproject.toml").write_text('[tool.sharding-dump]\ngolden-dir = "out"\ncases = ["cases.yml"]\n'
+                                         'rule-dirs = ["."]\nmodels = {prog = "all_devices:program"}\n')
+
+
+def test_a_program_case_the_process_cannot_give_its_count_is_dumped_in_a_worker(tmp_path, monkeypatch):
+    """The command called from Python code in a process whose jax backend runs already, with fewer
+    devices than the case: the case is dumped in a worker process started with the case's count, so a
+    program whose mesh spans jax.devices() is on the case's mesh (mutation: dump.dumped_in_order asks
+    no options.serves, and the case is refused: `its own mesh fsdp=1 ..., not on the case's mesh fsdp=2`)."""
+    import jax
+
+    count = 2 * jax.device_count()  # the backend runs: this process cannot give the case its count
+    all_devices_project(tmp_path, count)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["--all"]) == 0
+    (path,) = (tmp_path / "out").rglob("named_shardings.json")
+    assert json.loads(path.read_text())["mesh"]["axis_sizes"] == [count]
+    assert jax.device_count() == count // 2
+
+
+USER_PROCESS = """
+import json, os
+
+
+def pytest_sessionfinish(session):
+    import jax
+    with open("process.json", "w") as out:
+        json.dump({"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "devices": jax.device_count()}, out)
+"""
+
+
+# As Levanter's trainer fails building its mesh over too few devices, before anything is traced.
+TOO_FEW = ALL_DEVICES.replace("def program():\n", "def program():\n    if len(jax.devices()) % 4:\n        raise "
+                              "ValueError(f'ICI product 4 does not divide devices_per_slice {len(jax.devices())}')\n")
+
+
+@pytest.mark.parametrize("source", [ALL_DEVICES, TOO_FEW], ids=["mesh-over-the-devices", "fails-with-too-few"])
+def test_the_plugin_gives_a_program_its_cases_count_in_a_worker(tmp_path, source):
+    """Plain pytest, no XLA_FLAGS: the plugin checks a program case of 4 devices in a worker process
+    started with 4 CPU devices when it fails here for want of them (its mesh spans this process's one
+    device, or it fails after asking for the devices), and the user's process keeps its environment
+    and its one device (mutations: options.where_served always answers here, and the update fails:
+    `this process has 1 device and the program's mesh spans all of them`; it asks the worker on a
+    DeviceCountError only, and the second fails: `ICI product 4 does not divide devices_per_slice 1`)."""
+    all_devices_project(tmp_path, 4, source)
+    (tmp_path / "conftest.py").write_text(USER_PROCESS)
+    env = {name: value for name, value in os.environ.items() if name not in ("XLA_FLAGS", "PYTEST_ADDOPTS")}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]), JAX_PLATFORMS="cpu")
+    for args in (["--sharding-update"], []):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                 *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+        assert json.loads((tmp_path / "process.json").read_text()) == {"XLA_FLAGS": None, "devices": 1}
+    (path,) = (tmp_path / "out").rglob("named_shardings.json")
+    assert json.loads(path.read_text())["mesh"]["axis_sizes"] == [4]
+
+
 @pytest.mark.parametrize("stdout,buffered", [("/dev/full", True), ("/dev/full", False), ("closed", True)],
                          ids=["full-at-the-last-flush", "full-at-a-write", "closed"])
 def test_standard_output_that_cannot_be_written_is_one_line(stdout, buffered):

@@ -10,7 +10,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, cache_resharded
+from helpers import REPO, cache_resharded, forget_programs
 from sharding_dump.golden.engine import check_or_update_folder
 from sharding_dump.zoo import dump, serving
 from sharding_dump.zoo.case import golden_dir
@@ -77,6 +77,32 @@ def test_a_generate_step_keeping_the_cache_in_another_layout_fails_the_golden(fr
     report = golden_report(example_case())
     assert "generate/state/cache/k/0/quant" in report and "handoff/generate.generate/cache/k/0/quant" in report
     assert "prefill/state/cache" not in report
+
+
+def test_a_server_on_its_own_context_mesh_is_held_against_the_case(fresh):
+    """A server that sets its mesh as a context gives it as ServingProgram(mesh=...): the case's mesh
+    dumps the committed golden; the program's mesh changed (x 2 -> 4, y 4 -> 2) is refused in one line
+    naming both meshes, and so are its axis types (Auto where the case's, shard_mode=explicit, are Explicit)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from examples import llama3_serving as ls
+    from sharding_dump.errors import BadInput
+
+    def on(sizes, kind=AxisType.Explicit):
+        fresh.setattr(ls, "small_llama3", lambda: ls.program(ls.SMALL, mesh=AbstractMesh(
+            sizes, ("x", "y", "z"), axis_types=(kind,) * 3)))
+        forget_programs()
+
+    on((2, 4, 1))
+    assert golden_report(example_case()) == ""
+    on((4, 2, 1))
+    with pytest.raises(BadInput, match=r"^the program runs on its own mesh x=4 x y=2 x z=1 \(ServingProgram\(mesh="
+                                       r"\.\.\.\)\), not on the case's mesh x=2 x y=4 x z=1: give the case"):
+        dump.render_case(example_case())
+    on((2, 4, 1), AxisType.Auto)
+    with pytest.raises(BadInput, match=r"own mesh x=2 x y=4 x z=1 \(Auto axes\) \(ServingProgram\(mesh=\.\.\.\)\), "
+                                       r"not on the case's mesh x=2 x y=4 x z=1 \(Explicit axes\)"):
+        dump.render_case(example_case())
 
 
 def test_serving_settings_on_a_training_case_are_bad_input():
