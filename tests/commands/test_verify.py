@@ -52,7 +52,7 @@ def test_provoked_rule_reports_the_remat_the_gathered_stacks_and_a_golden_that_d
     args = case_args("remat", *REMAT_MESH, topology="cpu-8")
     named = dump_golden(tmp_path, args)
     doc = json.loads(named.read_text())
-    drifted = "params/decoder/decoder_norm/scale"
+    drifted = "model/decoder/decoder_norm/scale"
     doc["tensors"][drifted]["partition_spec"] = ["fsdp"]  # the golden claims a layout the rules do not give
     named.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     result = run_cli("verify", *args, "--golden-dir", str(tmp_path / "golden"), "--format", "json",

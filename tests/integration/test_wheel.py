@@ -100,5 +100,5 @@ def test_the_wheel_in_a_fresh_repository_beside_other_golden_plugins(tmp_path: P
     (repo / "sharding/rules/tp.yml").write_text(ADOPT_TP_RULE.replace("  - [mlp, model]\n", "  - [mlp, []]\n"))
     broken = pytest_in_repo()
     assert broken.returncode == 1 and f"FAILED pyproject.toml::{TP_CASE}" in broken.stdout, broken.stdout[-3000:]
-    assert "params/decoder/layers/mlp/wi_0/kernel  (and opt_state/0/mu, opt_state/0/nu)" in broken.stdout
+    assert "model/decoder/layers/mlp/wi_0/kernel  (and optimizer/opt_state/0/mu, optimizer/opt_state/0/nu)" in broken.stdout
     assert 'partition_spec    golden [null,null,"model"]  now [null,null,null]' in broken.stdout

@@ -61,9 +61,10 @@ def _spec_json(sharding: Any, ndim: int) -> Any:
     return specs.spec_to_json(spec, ndim) if spec is not None else str(sharding)
 
 
-def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: Any) -> list[list[Any]]:
-    """[path, golden spec, compiled spec] for every state leaf whose compiled input or output sharding
-    is not equivalent to the golden's (or that one side lacks)."""
+def _mismatches(compiled: Any, parts: Any, golden: dict[str, Any] | None, mesh: Any) -> list[list[Any]]:
+    """[golden path, golden spec, compiled spec] for every state leaf whose compiled input or output
+    sharding is not equivalent to the golden's (or that one side lacks; the golden's leaves the step does
+    not take aside)."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -71,12 +72,16 @@ def _mismatches(compiled: Any, state: Any, golden: dict[str, Any] | None, mesh: 
 
     if golden is None:
         return []
-    shapes = {leaf_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(state)}
+    shapes = {parts.golden_paths.get(leaf_path(k), leaf_path(k)): v
+              for k, v in jax.tree_util.tree_leaves_with_path(parts.state)}
+    golden = {path: spec for path, spec in golden.items() if path not in parts.uncompiled}
     out: list[list[Any]] = []
     seen = set()
     for shardings in (compiled.input_shardings[0][0], compiled.output_shardings[0]):
         for key, sharding in jax.tree_util.tree_leaves_with_path(shardings):
-            path = leaf_path(key)
+            if parts.golden_paths and leaf_path(key) not in parts.golden_paths:
+                continue  # held otherwise by the golden's build: compiled replicated, not compared
+            path = parts.golden_paths.get(leaf_path(key), leaf_path(key))
             ndim = len(shapes[path].shape)
             if path not in golden:
                 bad = True
@@ -145,7 +150,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             traffic = hlo_text.collectives(program)
             answer["replicated"] = [vars(v) for v in hlo_text.gathered_values(program, request["threshold"], parts.stacks)]
             answer["collectives"] = {k: {"count": t.count, "bytes": t.bytes} for k, t in traffic.items()}
-            answer["mismatches"] = _mismatches(compiled, parts.state, request["golden"], mesh)
+            answer["mismatches"] = _mismatches(compiled, parts, request["golden"], mesh)
         if propagated:
             values = hlo_text.replicated_values(propagated[-1].read_text(encoding="utf-8"), request["threshold"])
             answer["replicated"] = [vars(v) for v in values] + answer.get("replicated", [])

@@ -25,6 +25,9 @@ class StepParts:
     stacks: frozenset[tuple[int, ...]]  # sorted dims of every state leaf stacked over layers (stack_dims)
     allow_split: bool  # allow_split_physical_axes: how the TPU device mesh is built
     explicit: bool = False  # the step runs on a mesh whose axes are Explicit (a user's program in explicit mode)
+    golden_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # a state leaf's golden path, where
+    #                                                                          it differs from its own
+    uncompiled: frozenset[str] = frozenset()  # golden leaves the step does not take (MaxText's NNX RNG state)
 
 
 def build_step(case: Any) -> StepParts:
@@ -42,10 +45,54 @@ def build_step(case: Any) -> StepParts:
         return _serving_step(setup, layouts)
     abstract = untyped(unbox(dump.abstract_state_of(setup)))
     stacks = stack_dims(layouts, stack_axes())
+    state_specs, golden_paths, uncompiled = _step_specs(abstract, layouts)
     return StepParts(dump.case_step(setup), abstract, untyped(dump.case_batch(setup)),
-                     {t.path: t.partition_spec for t in layouts}, setup.batch.pipeline_spec,
+                     state_specs, setup.batch.pipeline_spec,
                      setup.plan.axis_names, setup.plan.ici, setup.plan.dcn, setup.rule_set.logical_axis_rules,
-                     stacks, bool(setup.values["allow_split_physical_axes"]), setup.step_explicit)
+                     stacks, bool(setup.values["allow_split_physical_axes"]), setup.step_explicit,
+                     golden_paths, uncompiled)
+
+
+def _step_specs(state: Any, layouts: Sequence[Any]) -> tuple[dict[str, Any], dict[str, str], frozenset[str]]:
+    """The spec of every leaf of the state the step takes, from the golden's layouts: the leaf's own, or,
+    for MaxText's NNX build (whose state the zoo's step takes as {'params', 'opt_state', 'step'}), that of
+    its leaf in the NNX state (`model/...`, `optimizer/opt_state/...`, `optimizer/step`). A leaf the NNX
+    build holds otherwise (a routed bias kept as model state, stacked layer first, and its moments, which
+    that build has not) is compiled replicated and not compared. Also {leaf path: golden path} where they
+    differ, and the golden's leaves the step does not take (the NNX build's RNG state).
+
+    >>> import jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from sharding_dump.core.layout import TensorLayout
+    >>> state = {"params": {"w": jax.ShapeDtypeStruct((4, 8), "float32")}, "step": jax.ShapeDtypeStruct((), "int32")}
+    >>> sizes = {"fsdp": 4}
+    >>> nnx = [TensorLayout("model/w", (4, 8), "float32", ("embed", "mlp"), P("fsdp", None), sizes),
+    ...        TensorLayout("model/rngs/params/key", (), "key<urbg>", (), P(), sizes),
+    ...        TensorLayout("optimizer/step", (), "uint32", (), P(), sizes)]
+    >>> specs, golden_paths, uncompiled = _step_specs(state, nnx)
+    >>> {path: tuple(spec) for path, spec in specs.items()}, golden_paths, sorted(uncompiled)
+    ({'params/w': ('fsdp', None), 'step': ()}, {'params/w': 'model/w', 'step': 'optimizer/step'}, ['model/rngs/params/key'])
+    """
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from sharding_dump.zoo.state import NNX_MODEL, NNX_OPTIMIZER
+
+    by_path = {t.path: t for t in layouts}
+    leaves = {leaf_path(key): leaf for key, leaf in jax.tree_util.tree_leaves_with_path(state)}
+    if not any(path.startswith(NNX_MODEL + "/") for path in by_path) or any(path in by_path for path in leaves):
+        return {t.path: t.partition_spec for t in layouts}, {}, frozenset()
+    renamed = {"params": NNX_MODEL, "opt_state": f"{NNX_OPTIMIZER}/opt_state", "step": f"{NNX_OPTIMIZER}/step"}
+    specs, golden_paths = {}, {}
+    for path, leaf in leaves.items():
+        head, _, rest = path.partition("/")
+        nnx_path = renamed.get(head, head) + (f"/{rest}" if rest else "")
+        layout = by_path.get(nnx_path)
+        if layout is not None and tuple(layout.shape) == tuple(leaf.shape):
+            specs[path], golden_paths[path] = layout.partition_spec, nnx_path
+        else:
+            specs[path] = PartitionSpec()
+    return specs, golden_paths, frozenset(by_path) - set(golden_paths.values())
 
 
 def _serving_step(setup: Any, layouts: Any) -> StepParts:
