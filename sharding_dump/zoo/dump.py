@@ -316,13 +316,24 @@ def maxtext_state(setup: CaseSetup, boxed: Any) -> Any:
     rel = setup.case.release
     bias_state = setup.config.routed_bias and rel.bias_is_state(setup.config.name)
     return state.nnx_state(boxed, state.rng_modules(boxed["params"], rel.rng_modules(cards.block_lineage(setup.config.decoder_block))),
-                           rel.rng_streams, rel.rng_key_impl, bias_state, _opt_state_without_bias(boxed["params"], setup.optimizer)
+                           rel.rng_streams, rel.rng_key_impl, bias_state, _opt_state_without_bias(boxed, setup.optimizer)
                            if bias_state else None)
 
 
-def _opt_state_without_bias(params: Any, tx: Any) -> Any:
-    """The optimizer state over the parameters but the routed biases (state.model_state_bias)."""
-    return abstract_train_state(state.model_state_bias(params), tx)["opt_state"]
+def _opt_state_without_bias(boxed: Any, tx: Any) -> Any:
+    """The optimizer state over the parameters but the routed biases (state.model_state_bias): the
+    structure `tx` gives them, each leaf the one `boxed`'s optimizer state already holds at its path
+    (as placed: in explicit mode each carries the sharding its slot was given, which a second
+    `tx.init` would not keep on every jax release)."""
+    import jax
+
+    from sharding_dump.core.tree import is_box, path_text
+
+    placed = {path_text(key): leaf for key, leaf in
+              jax.tree_util.tree_leaves_with_path(boxed["opt_state"], is_leaf=is_box)}
+    structure = abstract_train_state(state.model_state_bias(boxed["params"]), tx)["opt_state"]
+    return jax.tree_util.tree_map_with_path(lambda key, leaf: placed.get(path_text(key), leaf), structure,
+                                            is_leaf=is_box)
 
 
 def _uneven_params_first(layouts: list[TensorLayout]) -> list[tuple[TensorLayout, int]]:
