@@ -23,6 +23,7 @@ DEEPSEEK2_PIPELINE = {"ici_pipeline_parallelism": 4, "num_pipeline_microbatches"
 DEEPSEEK3_PIPELINE = {"dcn_pipeline_parallelism": 4, "ici_expert_parallelism": 8, "num_pipeline_microbatches": 8,
                       "num_pipeline_repeats": 2, "num_layers_per_pipeline_stage": 7, "scan_layers_per_stage": True,
                       "pipeline_parallel_layers": 56}
+PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
 QWEN3_PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "num_pipeline_repeats": 2,
                   "num_layers_per_pipeline_stage": 6, "pipeline_parallel_layers": 24}
 # (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's
@@ -55,6 +56,8 @@ CASES = [
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),  # Gated DeltaNet's kernels on embed_attn
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "default",  # ZeRO-1 (no FSDP, as 0.2.5 takes it) on the nested stacks
      {"ici_fsdp_parallelism": 1, "ici_data_parallelism": 4, "ici_expert_parallelism": 4, "shard_optimizer_over_data": True}),
+    # Gemma 3's pipeline (stages of one layer): the decoder keeps the shared nnx.Rngs that layers_remainder keeps unpipelined
+    ("0.2.5", "gemma3-4b", "tpu7x-8", "default", PIPELINE),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
@@ -122,7 +125,6 @@ def test_the_new_rule_as_typed_writes_maxtext_025s_dump(tmp_path, capsys):
 
 # Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline, as
 # 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
-PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
 ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
                    ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE)]
 # MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
@@ -130,7 +132,7 @@ ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
 # records its stages' own constraints at the stage's shape (36 records, 14 checked); Qwen3-Next's attention output
 # names 3 logical axes for its 4 dimensions and is recorded at its full shape (no vmap added any).
 CHECKED = {("qwen3-0.6b", "default"): 8, ("qwen3-0.6b", "fsdp-as-dp-for-attn"): 8, ("deepseek2-16b", "default"): 22,
-           ("llama2-7b", "default"): 14, ("qwen3-next-80b-a3b", "default"): 10,
+           ("llama2-7b", "default"): 14, ("gemma3-4b", "default"): 14, ("qwen3-next-80b-a3b", "default"): 10,
            ("qwen3-next-80b-a3b", "shard-exp-on-fsdp"): 10}
 
 
