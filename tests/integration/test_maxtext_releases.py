@@ -58,6 +58,11 @@ CASES = [
      {"ici_fsdp_parallelism": 1, "ici_data_parallelism": 4, "ici_expert_parallelism": 4, "shard_optimizer_over_data": True}),
     # Gemma 3's pipeline (stages of one layer): the decoder keeps the shared nnx.Rngs (layers_remainder's unpipelined)
     ("0.2.5", "gemma3-4b", "tpu7x-8", "default", PIPELINE),
+    # pipelines of MoE blocks (stages of one layer or one cycle): each stage layer's MoE block keeps its RNG state
+    ("0.2.5", "mixtral-8x7b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
+    ("0.2.5", "qwen3-30b-a3b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
+    ("0.2.5", "llama4-17b-16e", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
+    ("0.2.5", "gpt-oss-20b", "tpu7x-16", "default", PIPELINE),
     # gpt-oss's attention output recorded under MaxText's name for it (attentions/out)
     ("0.2.5", "gpt-oss-20b", "tpu7x-16", "shard-exp-on-fsdp",
      {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
