@@ -75,6 +75,9 @@ CASES = [
     ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", {}),
     ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", {}),
     ("0.2.4", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
+    # its pipelines of Gemma 3 and Mixtral: each stage layer's RNG state, its Dropouts' too, and the decoder's own
+    ("0.2.4", "gemma3-4b", "tpu7x-8", "default", PIPELINE),
+    ("0.2.4", "mixtral-8x7b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
     # e591f30's NNX build keeps the layer axis `layers` (on `stage`) on the layers a pipeline leaves out
     ("0.2.4", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
     ("0.2.4", "llama2-7b", "v5p-8", "default",  # ZeRO-1 in explicit mode, as in auto mode (e591f30's NNX build too)
@@ -153,6 +156,8 @@ CHECKED = {
     "num_pipeline_microbatches=8": 14,
     "llama2-7b/v5p-8/slice_2/rule_default_dcn_data_parallelism=2": 10,
     "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8": 14,
+    "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=8": 12,
     "gpt-oss-20b/tpu7x-16/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 9,
     "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8_"
     "num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_pipeline_parallel_layers=24": 20,
