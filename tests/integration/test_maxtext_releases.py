@@ -63,6 +63,7 @@ CASES = [
     ("0.2.5", "qwen3-30b-a3b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
     ("0.2.5", "llama4-17b-16e", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
     ("0.2.5", "gpt-oss-20b", "tpu7x-16", "default", PIPELINE),
+    ("0.2.5", "olmo3-7b", "v6e-8", "default", PIPELINE),
     # gpt-oss's attention output recorded under MaxText's name for it (attentions/out)
     ("0.2.5", "gpt-oss-20b", "tpu7x-16", "shard-exp-on-fsdp",
      {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
@@ -155,12 +156,16 @@ CHECKED = {
     "llama2-7b/v5p-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
     "num_pipeline_microbatches=8": 14,
     "llama2-7b/v5p-8/slice_2/rule_default_dcn_data_parallelism=2": 10,
+    "deepseek2-16b/v6e-16/slice_1/rule_pipeline-large-moe_ici_pipeline_parallelism=4_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=4_pipeline_parallel_layers=24": 46,
     "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8": 14,
     "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
     "num_pipeline_microbatches=8": 12,
     "gpt-oss-20b/tpu7x-16/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 9,
     "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8_"
     "num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_pipeline_parallel_layers=24": 20,
+    "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=8_num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_pipeline_parallel_layers=24": 20,
     "qwen3-next-80b-a3b/tpu7x-16/slice_1/rule_default_ici_tensor_parallelism=2_ici_expert_parallelism=4": 10,
     "qwen3-next-80b-a3b/tpu7x-8/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 10,
 }
