@@ -165,7 +165,8 @@ CHECKED = {
     "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8_"
     "num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_pipeline_parallel_layers=24": 20,
     "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
-    "num_pipeline_microbatches=8_num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_pipeline_parallel_layers=24": 20,
+    "num_pipeline_microbatches=8_num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_"
+    "pipeline_parallel_layers=24": 20,
     "qwen3-next-80b-a3b/tpu7x-16/slice_1/rule_default_ici_tensor_parallelism=2_ici_expert_parallelism=4": 10,
     "qwen3-next-80b-a3b/tpu7x-8/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 10,
 }
