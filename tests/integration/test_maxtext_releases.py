@@ -69,6 +69,8 @@ CASES = [
      {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
     # two slices, data parallel over DCN: the NNX decoder's scan records a layer's input as nnx_decoders/carry
     ("0.2.5", "llama2-7b", "v5p-8", "default", {"dcn_data_parallelism": 2}, 2),
+    # and Gemma 3's: its layers' inputs recorded as gemma3/inputs, gemma3/y and (the remainder's) nnx_decoders/y_in
+    ("0.2.5", "gemma3-4b", "tpu7x-8", "default", {"dcn_data_parallelism": 2}, 2),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
@@ -156,6 +158,7 @@ CHECKED = {
     "llama2-7b/v5p-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
     "num_pipeline_microbatches=8": 14,
     "llama2-7b/v5p-8/slice_2/rule_default_dcn_data_parallelism=2": 10,
+    "gemma3-4b/tpu7x-8/slice_2/rule_default_dcn_data_parallelism=2": 13,
     "deepseek2-16b/v6e-16/slice_1/rule_pipeline-large-moe_ici_pipeline_parallelism=4_maxtext_version=0.2.4_"
     "num_pipeline_microbatches=4_pipeline_parallel_layers=24": 46,
     "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8": 14,
