@@ -117,7 +117,7 @@ def setup_case(case: Case) -> CaseSetup:
                                    sparse_matmul=values["sparse_matmul"], segment_ids=nnx,
                                    outside_pipeline=case.release.outside_pipeline if nnx else (), **case.release.model)
         releases.check_build(case.release, nnx, values["shard_optimizer_over_data"],
-                             config.decoder_block, plan.sizes.get("tensor", 1))
+                             config.decoder_block, plan.sizes.get("tensor", 1), stages=plan.sizes.get("stage", 1))
         rule_set = rules.with_overrides(rule_set, config.logical_axis_rules, source=card_path(case.model))
         pipeline = plan_pipeline(values, plan, rule_set, cards.pipelined_stack_length(config))
         if pipeline is not None:

@@ -678,11 +678,13 @@ def to_case(composed: Composed, topology: str | None = None, num_slices: int | N
         config = cards.load_config(model_ref, **release.model)
     except BadInput as err:
         raise BadInput(f"{composed.where('model_name')}: {err}") from None
+    where = f"{composed.origins.get('model_name', COMMAND_LINE)}: "
     releases.check_build(release, releases.nnx_build({releases.SETTING: release.version,
                                                       **{k: composed.values[k] for k in release.nnx_keys
                                                          if k in composed.values}}),
                          composed.values.get("shard_optimizer_over_data") is True, config.decoder_block,
-                         _tensor_parallelism(composed.values), f"{composed.origins.get('model_name', COMMAND_LINE)}: ")
+                         _parallelism(composed.values, "tensor"), where,
+                         _parallelism(composed.values, "pipeline"))
     _check_refused(composed, table, config)
     _check_model(composed, table, card, config)
     rule_ref = resolve("rule", composed.values.get("custom_mesh_and_rule") or DEFAULT_RULE)
@@ -715,10 +717,10 @@ CASE_KEYS = {
 }
 
 
-def _tensor_parallelism(values: Mapping[str, Any]) -> int:
-    """The tensor axis's size as the ici_/dcn_tensor_parallelism values give it (a fill, -1, counts as 1)."""
+def _parallelism(values: Mapping[str, Any], axis: str) -> int:
+    """An axis's size as the ici_/dcn_<axis>_parallelism values give it (a fill, -1, counts as 1)."""
     size = 1
-    for key in ("ici_tensor_parallelism", "dcn_tensor_parallelism"):
+    for key in (f"ici_{axis}_parallelism", f"dcn_{axis}_parallelism"):
         value = values.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 1:
             size *= value

@@ -177,10 +177,10 @@ def nnx_build(values: Mapping[str, Any]) -> bool:
 
 
 def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, tensor: int = 1,
-                where: str = "") -> None:
+                where: str = "", stages: int = 1) -> None:
     """BadInput when the MaxText keys ask for the release's NNX build (`nnx`) of a case that build places
-    otherwise than sharding-dump builds it (data/maxtext_releases.yml `nnx_differs`: ZeRO-1 on, `zero1`;
-    tensor parallelism `tensor` above 1 for a decoder `block` listed)."""
+    otherwise than sharding-dump builds it, or fails to build (data/maxtext_releases.yml `nnx_differs`: ZeRO-1
+    on, `zero1`; tensor parallelism `tensor`, or pipeline `stages`, above 1 for a decoder `block` listed)."""
     if not nnx:
         return
     for case in rel.nnx_differs:
@@ -188,6 +188,8 @@ def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, 
             what = "shard_optimizer_over_data=true"
         elif case["when"] == "tensor_parallelism" and tensor > 1 and block in case.get("blocks", ()):
             what = f"decoder block {block!r} with tensor parallelism {tensor}"
+        elif case["when"] == "pipeline_parallelism" and stages > 1 and block in case.get("blocks", ()):
+            what = f"decoder block {block!r} with pipeline parallelism ({stages} stages)"
         else:
             continue
         raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build ({'/'.join(rel.nnx_keys)} true): "

@@ -108,22 +108,26 @@ def _stack_shape(module: Mapping[str, Any]) -> tuple[int, ...]:
 def rng_modules(params: Mapping[str, Any], patterns: Sequence[str]) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{module path: stack shape} of the modules whose MaxText NNX class keeps an nnx.Rngs: each pattern
     (data/maxtext_releases.yml, `/`-separated, `*` for one name) names modules of the parameter tree, or a
-    module without parameters (a Dropout) inside one that has them, stacked as that module is."""
+    module without parameters (a Dropout) inside one that has them, stacked as that module is. Patterns
+    joined by `|` are the places one shared nnx.Rngs may be written, in NNX's order: it is written once, at
+    the first of them the tree has."""
     modules = _module_paths(params)
 
     def matching(parts: tuple[str, ...]) -> list[tuple[str, ...]]:
         return [path for path in modules if len(path) == len(parts)
                 and all(fnmatch.fnmatchcase(n, p) for n, p in zip(path, parts))]
 
+    def holders(pattern: str) -> dict[tuple[str, ...], tuple[int, ...]]:
+        parts = tuple(pattern.split("/"))
+        found = {path: _stack_shape(modules[path]) for path in matching(parts)}
+        if not found and "*" not in parts[-1]:
+            found = {parent + parts[-1:]: _stack_shape(modules[parent]) for parent in matching(parts[:-1])}
+        return found
+
     out = {}
     for pattern in patterns:
-        parts = tuple(pattern.split("/"))
-        found = matching(parts)
-        for path in found:
-            out[path] = _stack_shape(modules[path])
-        if not found and "*" not in parts[-1]:
-            for parent in matching(parts[:-1]):
-                out.setdefault(parent + parts[-1:], _stack_shape(modules[parent]))
+        found = next(filter(None, map(holders, pattern.split("|"))), {})
+        out.update({path: stack for path, stack in found.items() if path not in out or path in modules})
     return dict(sorted(out.items()))
 
 

@@ -23,6 +23,7 @@ DEEPSEEK2_PIPELINE = {"ici_pipeline_parallelism": 4, "num_pipeline_microbatches"
 DEEPSEEK3_PIPELINE = {"dcn_pipeline_parallelism": 4, "ici_expert_parallelism": 8, "num_pipeline_microbatches": 8,
                       "num_pipeline_repeats": 2, "num_layers_per_pipeline_stage": 7, "scan_layers_per_stage": True,
                       "pipeline_parallel_layers": 56}
+PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
 QWEN3_PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8, "num_pipeline_repeats": 2,
                   "num_layers_per_pipeline_stage": 6, "pipeline_parallel_layers": 24}
 # (version, model, topology, rule, overrides[, num_slices]): MaxText's dump of each is kept under our case's
@@ -55,6 +56,21 @@ CASES = [
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "fsdp-as-dp-for-attn", {}),  # Gated DeltaNet's kernels on embed_attn
     ("0.2.5", "qwen3-next-80b-a3b", "tpu7x-16", "default",  # ZeRO-1 (no FSDP, as 0.2.5 takes it) on the nested stacks
      {"ici_fsdp_parallelism": 1, "ici_data_parallelism": 4, "ici_expert_parallelism": 4, "shard_optimizer_over_data": True}),
+    # Gemma 3's pipeline (stages of one layer): the decoder keeps the shared nnx.Rngs (layers_remainder's unpipelined)
+    ("0.2.5", "gemma3-4b", "tpu7x-8", "default", PIPELINE),
+    # pipelines of MoE blocks (stages of one layer or one cycle): each stage layer's MoE block keeps its RNG state
+    ("0.2.5", "mixtral-8x7b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
+    ("0.2.5", "qwen3-30b-a3b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
+    ("0.2.5", "llama4-17b-16e", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
+    ("0.2.5", "gpt-oss-20b", "tpu7x-16", "default", PIPELINE),
+    ("0.2.5", "olmo3-7b", "v6e-8", "default", PIPELINE),
+    # gpt-oss's attention output recorded under MaxText's name for it (attentions/out)
+    ("0.2.5", "gpt-oss-20b", "tpu7x-16", "shard-exp-on-fsdp",
+     {"ici_fsdp_parallelism": -1, "ici_expert_parallelism": 2}),
+    # two slices, data parallel over DCN: the NNX decoder's scan records a layer's input as nnx_decoders/carry
+    ("0.2.5", "llama2-7b", "v5p-8", "default", {"dcn_data_parallelism": 2}, 2),
+    # and Gemma 3's: its layers' inputs recorded as gemma3/inputs, gemma3/y and (the remainder's) nnx_decoders/y_in
+    ("0.2.5", "gemma3-4b", "tpu7x-8", "default", {"dcn_data_parallelism": 2}, 2),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {}),
     ("0.2.4", "qwen3-0.6b", "tpu7x-16", "default", {"ici_data_parallelism": 2, "shard_optimizer_over_data": True}),
     ("0.2.4", "deepseek2-16b", "tpu7x-16", "default", {}),
@@ -62,6 +78,9 @@ CASES = [
     ("0.2.4", "llama2-7b", "v5p-16", "pure-fsdp", {}),
     ("0.2.4", "qwen3.5-35b-a3b", "tpu7x-8", "default", {}),
     ("0.2.4", "deepseek2-16b", "v6e-16", "pipeline-large-moe", DEEPSEEK2_PIPELINE),
+    # its pipelines of Gemma 3 and Mixtral: each stage layer's RNG state, its Dropouts' too, and the decoder's own
+    ("0.2.4", "gemma3-4b", "tpu7x-8", "default", PIPELINE),
+    ("0.2.4", "mixtral-8x7b", "tpu7x-16", "default", {**PIPELINE, "ici_expert_parallelism": 2}),
     # e591f30's NNX build keeps the layer axis `layers` (on `stage`) on the layers a pipeline leaves out
     ("0.2.4", "qwen3-0.6b", "tpu7x-8", "default", QWEN3_PIPELINE),
     ("0.2.4", "llama2-7b", "v5p-8", "default",  # ZeRO-1 in explicit mode, as in auto mode (e591f30's NNX build too)
@@ -117,21 +136,43 @@ def test_the_new_rule_as_typed_writes_maxtext_025s_dump(tmp_path, capsys):
         report
     result = reference.compare(reference.load_reference(theirs / "input_shardings.json"),
                                codec.read_document(ours / "activation_shardings.json"), reference.call_sites())
-    assert result.ok and result.checked == CHECKED["qwen3-0.6b", "fsdp-as-dp-for-attn"], result.report("as typed")
+    assert result.ok and result.checked == CHECKED["qwen3-0.6b/tpu7x-16/slice_1/rule_fsdp-as-dp-for-attn"], \
+        result.report("as typed")
 
 
 # Cases whose MaxText dump is kept for its activation records only (input_shardings.json): a pipeline, as
 # 0.2.5 and as e591f30's NNX build (its default) record it, and e591f30's NNX build of a dense case.
-PIPELINE = {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8}
 ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
                    ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE)]
-# MaxText's records of each kept activation dump that the comparison checks (known logical axes, or a call
-# site data/maxtext_call_sites.yml names): every case adds attention_op/decoder_segment_ids; the pipeline
-# records its stages' own constraints at the stage's shape (36 records, 14 checked); Qwen3-Next's attention output
-# names 3 logical axes for its 4 dimensions and is recorded at its full shape (no vmap added any).
-CHECKED = {("qwen3-0.6b", "default"): 8, ("qwen3-0.6b", "fsdp-as-dp-for-attn"): 8, ("deepseek2-16b", "default"): 22,
-           ("llama2-7b", "default"): 14, ("qwen3-next-80b-a3b", "default"): 10,
-           ("qwen3-next-80b-a3b", "shard-exp-on-fsdp"): 10}
+# MaxText's records of each kept activation dump (by our case's label) that the comparison checks (known
+# logical axes, or a call site data/maxtext_call_sites.yml names): every case adds
+# attention_op/decoder_segment_ids; the pipeline records its stages' own constraints at the stage's shape (36
+# records, 14 checked); Qwen3-Next's attention output names 3 logical axes for its 4 dimensions and is recorded at
+# its full shape (no vmap added any).
+CHECKED = {
+    "qwen3-0.6b/tpu7x-16/slice_1/rule_default": 8,
+    "qwen3-0.6b/tpu7x-16/slice_1/rule_default_maxtext_version=0.2.4": 8,
+    "qwen3-0.6b/tpu7x-16/slice_1/rule_fsdp-as-dp-for-attn": 8,
+    "deepseek2-16b/tpu7x-16/slice_1/rule_default": 22,
+    "llama2-7b/v5p-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8": 14,
+    "llama2-7b/v5p-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=8": 14,
+    "llama2-7b/v5p-8/slice_2/rule_default_dcn_data_parallelism=2": 10,
+    "gemma3-4b/tpu7x-8/slice_2/rule_default_dcn_data_parallelism=2": 13,
+    "deepseek2-16b/v6e-16/slice_1/rule_pipeline-large-moe_ici_pipeline_parallelism=4_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=4_pipeline_parallel_layers=24": 46,
+    "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8": 14,
+    "gemma3-4b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=8": 12,
+    "gpt-oss-20b/tpu7x-16/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 9,
+    "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8_"
+    "num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_pipeline_parallel_layers=24": 20,
+    "qwen3-0.6b/tpu7x-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
+    "num_pipeline_microbatches=8_num_pipeline_repeats=2_num_layers_per_pipeline_stage=6_"
+    "pipeline_parallel_layers=24": 20,
+    "qwen3-next-80b-a3b/tpu7x-16/slice_1/rule_default_ici_tensor_parallelism=2_ici_expert_parallelism=4": 10,
+    "qwen3-next-80b-a3b/tpu7x-8/slice_1/rule_shard-exp-on-fsdp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 10,
+}
 
 
 def activation_cases():
@@ -158,7 +199,7 @@ def test_release_activations_match_ours_by_name(kept, tmp_path):
     result = reference.compare(reference.load_reference(path),
                                codec.read_document(golden_dir(case, tmp_path) / "activation_shardings.json"),
                                reference.call_sites())
-    assert result.ok and result.checked == CHECKED[entry[1], entry[3]], result.report(case.label)
+    assert result.ok and result.checked == CHECKED[case.label], result.report(case.label)
 
 
 def test_the_previous_release_differs_from_maxtext_025s_dump(tmp_path, capsys):

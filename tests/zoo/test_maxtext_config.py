@@ -265,7 +265,8 @@ def test_a_configuration_of_two_releases_is_refused():
 def test_e591f30s_nnx_build_is_taken_and_its_linen_build_by_the_three_keys():
     """base.yml of e591f30 asks for the NNX build (ZeRO-1 included, placed as that build places it); the three
     keys false give the Linen build, as MaxText's own sharding tests run it. qwen3.5 with tensor parallelism,
-    whose decoder_norm that NNX build leaves without axes, is refused there."""
+    whose decoder_norm that NNX build leaves without axes, and a pipelined Gemma 4, which it fails to build, are
+    refused there."""
     from sharding_dump.zoo import releases
 
     zero1 = ["model_name=llama2-7b", "ici_data_parallelism=2", "ici_fsdp_parallelism=-1", "shard_optimizer_over_data=true"]
@@ -277,6 +278,12 @@ def test_e591f30s_nnx_build_is_taken_and_its_linen_build_by_the_three_keys():
     with pytest.raises(BadInput, match=r"decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX"):
         read(*tensor, config=BASE, topology="v5p-16")
     assert read(*tensor, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE, topology="v5p-16")
+    pipelined = ["model_name=gemma4-26b", "ici_pipeline_parallelism=2", "num_pipeline_microbatches=8"]
+    with pytest.raises(BadInput, match=r"decoder block 'gemma4' with pipeline parallelism \(2 stages\) with MaxText "
+                                       r"0.2.4's NNX"):  # its NNX decoder fails to build it
+        read(*pipelined, config=BASE, topology="tpu7x-16")
+    assert read(*pipelined, "pure_nnx=false", "enable_nnx=false", "pure_nnx_decoder=false", config=BASE,
+                topology="tpu7x-16")
 
 
 def test_a_cards_settings_are_its_cases_defaults():

@@ -92,6 +92,9 @@ BAD = [
     ("--model qwen3.5-35b-a3b maxtext_version=0.2.4 ici_fsdp_parallelism=-1 ici_tensor_parallelism=2",
      "decoder block 'qwen3_5' with tensor parallelism 2 with MaxText 0.2.4's NNX build (enable_nnx/pure_nnx_decoder/"
      "pure_nnx true): its NNX build gives the decoder_norm of qwen3.5 and qwen3-next no logical axes"),
+    ("--model gemma4-26b maxtext_version=0.2.4 ici_pipeline_parallelism=2 num_pipeline_microbatches=8",
+     "decoder block 'gemma4' with pipeline parallelism (2 stages) with MaxText 0.2.4's NNX build (enable_nnx/"
+     "pure_nnx_decoder/pure_nnx true): its NNX decoder runs a pipelined Gemma 4 through _apply_gemma4_scanned_blocks"),
     ("--model qwen3-next-80b-a3b ici_fsdp_parallelism=-1 ici_pipeline_parallelism=2",
      "pipeline parallelism (2 stages): MaxText 0.2.5 fails to build decoder block 'qwen3_next' pipelined: its "
      "Qwen3NextScannableBlock runs the full-attention layer in a scan of its own"),
@@ -267,3 +270,27 @@ def test_a_block_the_release_does_not_name_keeps_the_rng_state_of_the_block_its_
                                        r"dump the Linen build: maxtext_version=0\.2\.4 enable_nnx=false "
                                        r"pure_nnx_decoder=false pure_nnx=false$"):
         rel.rng_modules(("tiny_family",))
+
+
+def test_a_shared_rng_state_is_written_at_the_first_place_the_tree_has():
+    """`a|b` in builds/nnx_state/rngs: NNX writes a shared nnx.Rngs once, at the first module holding it. Gemma 3's
+    unpipelined decoder gives it to layers_remainder/layers_0; pipelined (no such module), the decoder keeps it."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from sharding_dump.zoo import state
+
+    def leaf(*shape_names):
+        return nn.Partitioned(jax.ShapeDtypeStruct(tuple(s for s, _ in shape_names), jnp.float32),
+                              names=tuple(n for _, n in shape_names))
+
+    norm = {"scale": leaf((8, "norm"))}
+    unpipelined = {"decoder": {"decoder_norm": norm,
+                               "layers_remainder": {"layers_0": {"mlp": {"kernel": leaf((8, "embed"), (4, "mlp"))}}}}}
+    pipelined = {"decoder": {"decoder_norm": norm, "pipeline_module": {"layers": {
+        "kernel": leaf((17, "circular_repeats"), (2, "layers"), (8, "embed"))}}}}
+    patterns = ["decoder/layers_remainder/layers_0|decoder", "decoder/pipeline_module/layers"]
+    assert state.rng_modules(unpipelined, patterns) == {("decoder", "layers_remainder", "layers_0"): ()}
+    assert state.rng_modules(pipelined, patterns) == {("decoder",): (),
+                                                      ("decoder", "pipeline_module", "layers"): (17, 2)}
