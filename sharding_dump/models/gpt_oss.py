@@ -51,7 +51,7 @@ class GptOssAttention(nn.Module):
         if cfg.attention_sink:
             sinks = weight_param(self, "sinks", (cfg.num_query_heads,), (None,), cfg, nn.initializers.zeros)
         out = causal_attention(q, k, v, scale=head_dim**-0.5, sliding_window=self.sliding_window, sinks=sinks)
-        out = constrain(out, ATTENTION_OUT, "attention_out")
+        out = constrain(out, ATTENTION_OUT, "out")
         return Dense(cfg, (x.shape[-1],), ("heads", "kv"), (cfg.attention_embed_axis,), bias, name="out")(out)
 
 
