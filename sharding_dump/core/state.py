@@ -51,10 +51,11 @@ def default_optimizer() -> optax.GradientTransformation:
     return optax.adamw(optax.constant_schedule(hp.pop("learning_rate")), **hp)
 
 
-def abstract_key() -> jax.ShapeDtypeStruct:
-    """The PRNG key an init is traced with, as a shape and dtype: a concrete `jax.random.key(0)` would
-    start a backend and compile the seeding (0.13 s of a cold start) for a value never looked at."""
-    return jax.eval_shape(lambda: jax.random.key(0))
+def abstract_key(impl: str | None = None) -> jax.ShapeDtypeStruct:
+    """The PRNG key an init is traced with, as a shape and dtype (of PRNG implementation `impl`, jax's
+    default when None): a concrete `jax.random.key(0)` would start a backend and compile the seeding
+    (0.13 s of a cold start) for a value never looked at."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl))
 
 
 def abstract_train_state(params: Any, optimizer: optax.GradientTransformation | None = None) -> dict[str, Any]:

@@ -142,7 +142,7 @@ def rng_state(stack: tuple[int, ...], streams: Sequence[str], impl: str) -> dict
     """One module's nnx.Rngs as its state holds it: per stream a `count` (uint32) and a typed `key` of PRNG
     implementation `impl` (MaxText's: `key<urbg>` for unsafe_rbg), stacked over `stack`, never placed
     (MaxText replicates them)."""
-    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+    key = abstract_key(impl)
     return {stream: {"count": jax.ShapeDtypeStruct(stack, jnp.uint32),
                      "key": jax.ShapeDtypeStruct(stack + key.shape, key.dtype)} for stream in streams}
 
@@ -211,6 +211,18 @@ def nnx_state(state: Mapping[str, Any], rngs: Mapping[tuple[str, ...], tuple[int
     return {NNX_MODEL: model, NNX_OPTIMIZER: {"opt_state": state["opt_state"] if opt_state is None else opt_state,
                                               "step": jax.ShapeDtypeStruct(step.shape, jnp.uint32,
                                                                            sharding=getattr(step, "sharding", None))}}
+
+
+def nnx_path(path: str) -> str:
+    """Where MaxText's NNX state (:func:`nnx_state`) holds the leaf at `path` of the Linen build's
+    {'params', 'opt_state', 'step'}.
+
+    >>> nnx_path("params/decoder/layers/mlp/wi_0/kernel"), nnx_path("opt_state/0/count"), nnx_path("step")
+    ('model/decoder/layers/mlp/wi_0/kernel', 'optimizer/opt_state/0/count', 'optimizer/step')
+    """
+    head, _, rest = path.partition("/")
+    place = {"params": NNX_MODEL, "opt_state": f"{NNX_OPTIMIZER}/opt_state", "step": f"{NNX_OPTIMIZER}/step"}
+    return place.get(head, head) + (f"/{rest}" if rest else "")
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], sizes: dict[str, int]) -> PartitionSpec:

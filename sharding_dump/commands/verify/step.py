@@ -76,20 +76,17 @@ def _step_specs(state: Any, layouts: Sequence[Any]) -> tuple[dict[str, Any], dic
     import jax
     from jax.sharding import PartitionSpec
 
-    from sharding_dump.zoo.state import NNX_MODEL, NNX_OPTIMIZER
+    from sharding_dump.zoo.state import NNX_MODEL, nnx_path
 
     by_path = {t.path: t for t in layouts}
     leaves = {leaf_path(key): leaf for key, leaf in jax.tree_util.tree_leaves_with_path(state)}
     if not any(path.startswith(NNX_MODEL + "/") for path in by_path) or any(path in by_path for path in leaves):
         return {t.path: t.partition_spec for t in layouts}, {}, frozenset()
-    renamed = {"params": NNX_MODEL, "opt_state": f"{NNX_OPTIMIZER}/opt_state", "step": f"{NNX_OPTIMIZER}/step"}
     specs, golden_paths = {}, {}
     for path, leaf in leaves.items():
-        head, _, rest = path.partition("/")
-        nnx_path = renamed.get(head, head) + (f"/{rest}" if rest else "")
-        layout = by_path.get(nnx_path)
+        layout = by_path.get(nnx_path(path))
         if layout is not None and tuple(layout.shape) == tuple(leaf.shape):
-            specs[path], golden_paths[path] = layout.partition_spec, nnx_path
+            specs[path], golden_paths[path] = layout.partition_spec, layout.path
         else:
             specs[path] = PartitionSpec()
     return specs, golden_paths, frozenset(by_path) - set(golden_paths.values())
