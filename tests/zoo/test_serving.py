@@ -151,7 +151,8 @@ def test_a_server_on_its_own_explicit_mesh_dumps_in_explicit_mode(fresh, tmp_pat
     from sharding_dump.zoo.case import Case
 
     (tmp_path / "rules.yml").write_text("mesh_axes: [x]\ndata_sharding: [[x]]\n")
-    settings = {"per_device_batch_size": 1, "max_target_length": 16, "max_prefill_predict_length": 8}
+    settings = {"per_device_batch_size": 1, "max_target_length": 16, "max_prefill_predict_length": 8,
+                "ici_x_parallelism": -1}  # x spans the process's devices, however many an earlier test made
 
     def case(mode):
         return Case.make("tests.zoo.test_serving:own_mesh_server", f"cpu-{jax.device_count()}",
