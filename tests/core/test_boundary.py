@@ -117,6 +117,38 @@ def test_a_call_in_another_thread_is_bounded_too():
     assert "the threaded call did not finish within the time limit of 0.3 s" in str(errors[0])
 
 
+def test_calls_under_a_tracer_or_profiler_return(tmp_path):
+    """Under a tracer (coverage, pdb) or a profiler (cProfile), guarded calls return and so does every
+    call after them, the watchdog's included: Python 3.11 spun forever on the first function call after
+    a guarded one, on the pending flag a withdrawn posted exception left set. In a fresh process, which
+    faulthandler ends with its stack should it hang."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "traced.py"
+    script.write_text(
+        "import faulthandler, sys, threading\n"
+        "faulthandler.dump_traceback_later(60, exit=True)\n"
+        "from sharding_dump.core.boundary import UserCodeError, guard, time_limit\n"
+        "def run(): \n"
+        "    with guard('a call'):\n"
+        "        pass\n"
+        "    try:\n"
+        "        with time_limit(0.2), guard('a loop'):\n"
+        "            while True: pass\n"
+        "    except UserCodeError:\n"
+        "        pass\n"
+        "    print('returned', flush=True)\n"
+        "sys.settrace(lambda *a: None)\n"
+        "run()\n"
+        "thread = threading.Thread(target=run); thread.start(); thread.join()\n"
+        "sys.settrace(None)\n"
+        "import cProfile; cProfile.run('run()', str(sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "prof")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["returned"] * 3, done.stdout + done.stderr
+
+
 def test_a_real_ctrl_c_passes_through_and_handlers_and_timers_are_restored():
     # A process started in the background of a script (`pytest &`) ignores SIGINT from its start, and a
     # guarded call leaves an ignored SIGINT ignored: listen as a terminal's process does, for this test.
