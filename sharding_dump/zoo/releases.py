@@ -192,8 +192,10 @@ def check_build(rel: Release, nnx: bool, zero1: bool, block: str | None = None, 
             what = f"decoder block {block!r} with pipeline parallelism ({stages} stages)"
         else:
             continue
-        raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build ({'/'.join(rel.nnx_keys)} true): "
-                       f"{case['why']}, which sharding-dump does not build; give its Linen build: {linen_build()}")
+        build = f"({'/'.join(rel.nnx_keys)} true)" if rel.nnx_keys else "(its only build)"
+        linen = "its Linen build" if "linen" in rel.builds else "the Linen build of an earlier release"
+        raise BadInput(f"{where}{what} with MaxText {rel.version}'s NNX build {build}: "
+                       f"{case['why']}, which sharding-dump does not build; give {linen}: {linen_build()}")
 
 
 FSDP_AXES = ("fsdp", "fsdp_transpose")  # the axes MaxText counts as FSDP when it refuses ZeRO-1 with it

@@ -95,6 +95,9 @@ BAD = [
     ("--model gemma4-26b maxtext_version=0.2.4 ici_pipeline_parallelism=2 num_pipeline_microbatches=8",
      "decoder block 'gemma4' with pipeline parallelism (2 stages) with MaxText 0.2.4's NNX build (enable_nnx/"
      "pure_nnx_decoder/pure_nnx true): its NNX decoder runs a pipelined Gemma 4 through _apply_gemma4_scanned_blocks"),
+    ("--model gemma4-26b ici_fsdp_parallelism=-1 ici_pipeline_parallelism=2 num_pipeline_microbatches=8",
+     "decoder block 'gemma4' with pipeline parallelism (2 stages) with MaxText 0.2.5's NNX build (its only build): it "
+     "places the optimizer moments of a pipelined Gemma 4's local_layers"),
     ("--model qwen3-next-80b-a3b ici_fsdp_parallelism=-1 ici_pipeline_parallelism=2",
      "pipeline parallelism (2 stages): MaxText 0.2.5 fails to build decoder block 'qwen3_next' pipelined: its "
      "Qwen3NextScannableBlock runs the full-attention layer in a scan of its own"),
