@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import LINEN_ARGS, REPO, committed_golden, sweep_beyond_first
+from helpers import LINEN, LINEN_ARGS, REPO, committed_golden, sweep_beyond_first
 from sharding_dump.commands import check
 from sharding_dump.commands.cli import main
 from sharding_dump.core.specs import entry_axes
@@ -206,10 +206,11 @@ def test_memory_above_hbm():
 
 
 def test_a_pipeline_of_scan_blocks_reports_the_layers_and_parameters_it_adds():
-    """gemma4-31b with 2 stages: MaxText pipelines 60 blocks of 6 layers; its own dump of the case holds
-    177,137,614,440 parameters (the model: 30,697,345,340). A pipeline of single layers adds none."""
+    """gemma4-31b with 2 stages (MaxText's Linen build: its NNX builds place a pipelined gemma4 otherwise):
+    MaxText pipelines 60 blocks of 6 layers; its own dump of the case holds 177,137,614,440 parameters (the
+    model: 30,697,345,340). A pipeline of single layers adds none."""
     findings = by_lint(check.lint_case(Case.make("gemma4-31b", "tpu7x-8", "default",
-                                                 overrides={"ici_pipeline_parallelism": 2})))
+                                                 overrides={"ici_pipeline_parallelism": 2, **LINEN})))
     (layers,) = findings["pipeline-layers"]
     assert layers.message == ("the pipelined run builds 360 decoder layers where model gemma4-31b has 60, and "
                               "177,137,614,440 (177.14B) parameters where the model has 30,697,345,340 (30.70B)")
