@@ -241,6 +241,9 @@ def bench_suite_cpu(workers: int, top: int = 25) -> None:
     last = proc.stdout.strip().splitlines()[-1].strip("= ") if proc.stdout.strip() else ""
     print(f"default suite, python -m pytest -n {workers}: {wall:.1f} s wall, {cpu:.1f} s CPU, load average "
           f"{os.getloadavg()[0]:.1f} ({last})")
+    for line in proc.stdout.splitlines():  # a failing test is said, not lost in the figures
+        if line.startswith(("FAILED ", "ERROR ")):
+            print(line)
     tests = [(float(r[1]) + float(r[2]), float(r[2]), r[4]) for lines in rows.values() for r in lines if r[0] == "test"]
     starts = ", ".join(f"{name} {r[1]} s" for name, lines in rows.items() for r in lines if r[0] == "start")
     ends = ", ".join(f"{name} {r[1]} s" for name, lines in rows.items() for r in lines if r[0] == "end")
