@@ -44,10 +44,13 @@ SERVING_AXES = {
 MLA_INPUT = ("activation_batch_attn", "activation_length", "activation_embed")
 MLA_QKV = ("activation_kv_batch", "activation_length", "activation_kv_heads", "activation_kv_head_dim")
 MLA_OUT = ("activation_batch_attn", "activation_length", "activation_heads", "activation_kv")
-# The batch's segment ids as MaxText's attention constrains them before its kernel (its `decoder_segment_ids`,
-# on the query's batch and length axes); only its NNX build feeds them to the layers.
+# The batch's segment ids as MaxText's attention constrains them before its kernel (its `decoder_segment_ids`):
+# once as the queries' (batch and query length axes), once as the keys' (batch and key length axes); only its
+# NNX build feeds them to the layers.
 SEGMENT_IDS = ("activation_batch_attn", "activation_q_length")
 SEGMENT_IDS_NAME = "decoder_segment_ids"
+KV_SEGMENT_IDS = ("activation_batch_attn", "activation_kv_length")
+KV_SEGMENT_IDS_NAME = "decoder_segment_ids_kv"
 _SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("decoder_segment_ids", default=None)
 
 
@@ -85,7 +88,8 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
     float32 they would double the largest buffers of a compiled step.
 
     Inside :func:`segment_ids`, a query sees only keys of its own segment, and the segment ids are
-    constrained first (`decoder_segment_ids`), as MaxText's NNX build constrains them."""
+    constrained first, as the queries' (`decoder_segment_ids`) and as the keys' (`decoder_segment_ids_kv`),
+    as MaxText's NNX build constrains them before its flash kernel."""
     batch, length, heads, _ = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
@@ -104,8 +108,9 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, scal
         visible = visible & selected[:, None, None]
     segments = current_segment_ids()
     if segments is not None:
-        segments = constrain(segments, SEGMENT_IDS, SEGMENT_IDS_NAME)
-        visible = visible & (segments[:, :, None] == segments[:, None, :])[:, None, None]
+        queries = constrain(segments, SEGMENT_IDS, SEGMENT_IDS_NAME)
+        keys = constrain(segments, KV_SEGMENT_IDS, KV_SEGMENT_IDS_NAME)
+        visible = visible & (queries[:, :, None] == keys[:, None, :])[:, None, None]
     logits = jnp.where(visible, logits, jnp.finfo(dtype).min)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(dtype).reshape(kv_heads, group, 1, 1), logits.shape[:-1] + (1,))

@@ -146,7 +146,8 @@ ACTIVATION_ONLY = [("0.2.5", "llama2-7b", "v5p-8", "default", PIPELINE),
                    ("0.2.4", "llama2-7b", "v5p-8", "default", PIPELINE)]
 # MaxText's records of each kept activation dump (by our case's label) that the comparison checks (known
 # logical axes, or a call site data/maxtext_call_sites.yml names): every case adds
-# attention_op/decoder_segment_ids; the pipeline records its stages' own constraints at the stage's shape (36
+# attention_op/decoder_segment_ids (twice under ep-as-cp: the queries' split over expert, the keys' not); the
+# pipeline records its stages' own constraints at the stage's shape (36
 # records, 14 checked); Qwen3-Next's attention output names 3 logical axes for its 4 dimensions and is recorded at
 # its full shape (no vmap added any).
 CHECKED = {
@@ -154,6 +155,7 @@ CHECKED = {
     "qwen3-0.6b/tpu7x-16/slice_1/rule_default_maxtext_version=0.2.4": 8,
     "qwen3-0.6b/tpu7x-16/slice_1/rule_fsdp-as-dp-for-attn": 8,
     "deepseek2-16b/tpu7x-16/slice_1/rule_default": 22,
+    "deepseek2-16b/tpu7x-8/slice_1/rule_ep-as-cp_ici_fsdp_parallelism=-1_ici_expert_parallelism=2": 23,
     "llama2-7b/v5p-8/slice_1/rule_default_ici_pipeline_parallelism=2_num_pipeline_microbatches=8": 14,
     "llama2-7b/v5p-8/slice_1/rule_default_ici_pipeline_parallelism=2_maxtext_version=0.2.4_"
     "num_pipeline_microbatches=8": 14,

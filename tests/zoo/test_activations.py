@@ -60,9 +60,11 @@ def test_constraints_forward_backward_and_rule_resolution(qwen_trace):
     # Every float activation (inside the scanned, rematerialised layer too) is constrained on the way
     # back as well; the integer batch is not.
     assert set(backward) == {k for k, c in forward.items() if c.dtype == "bfloat16"}
-    # The batch, and in MaxText's NNX build its segment ids, which every attention constrains.
+    # The batch, and in MaxText's NNX build its segment ids, which every attention constrains as the
+    # queries' and as the keys'.
     assert {k for k, c in forward.items() if c.dtype == "int32"} == \
-        {*BATCH_FIELDS, SEGMENT_FIELD, "decoder/layers/self_attention/decoder_segment_ids"}
+        {*BATCH_FIELDS, SEGMENT_FIELD, "decoder/layers/self_attention/decoder_segment_ids",
+         "decoder/layers/self_attention/decoder_segment_ids_kv"}
     for key, c in found.items():
         assert c.partition_spec == resolve(c.logical_axes, setup.rule_set), key
         assert c.dtype in ("bfloat16", "int32"), key
