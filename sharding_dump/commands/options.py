@@ -333,7 +333,7 @@ def forget_worker(count: int) -> None:
 
 
 def close_workers() -> None:
-    """Every worker of :func:`device_worker` shut down."""
+    """Every worker of :func:`_device_worker` shut down."""
     for count in list(_WORKERS):
         forget_worker(count)
 

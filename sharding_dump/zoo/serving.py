@@ -147,11 +147,13 @@ def _on(plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool) -> Iterator[Any
 
 @functools.lru_cache(maxsize=64)
 def init_layouts(ref: ProgramKey, plan: MeshPlan, rule_set: rules.RuleSet, explicit: bool,
-                 settings: ServingSettings, types: bool = True) -> tuple[Any, tuple[TensorLayout, ...]]:
+                 settings: ServingSettings, types: bool) -> tuple[Any, tuple[TensorLayout, ...]]:
     """The program's init traced once: its abstract state and every leaf's layout (what init placed
     itself, else its boxes and the rule file). `types` False: traced on the Auto mesh for its sizes
     only, in a case whose mesh is Explicit, so a concrete mesh of the program's with Explicit axes
-    (jax-llm-examples' `jax.make_mesh`) is the case's and its axis types are not compared here."""
+    (jax-llm-examples' `jax.make_mesh`) is the case's and its axis types are not compared here. Every
+    argument is given, and by position: the cache keys calls by how they pass them, so the dump and
+    verify share one trace."""
     from sharding_dump.core.handback import check_mesh
     from sharding_dump.core.placement import declared_specs, placed_outputs
     from sharding_dump.core.program import boxed_view
