@@ -219,21 +219,53 @@ def _plain(config: DictConfig) -> dict[str, Any]:
         raise BadInput(f"MaxText configuration: {one_line(str(err))}") from None
 
 
-def _load_chain(path: Path, configs_dir: Path | None, origins: dict[str, str]) -> DictConfig:
-    """A config file merged over the `base_config` it names, recursively (MaxText's _load_config)."""
-    return _chain(path, configs_dir, origins, ())[0]
-
-
 # Merged base_config chains by the texts of their files (base first): every composition of a run file
 # merges the same base.yml under it (a third of a composition's time). Never changed in place:
 # `OmegaConf.merge` copies the config it merges into.
 _CHAINS: dict[tuple[str, ...], DictConfig] = {}
+# The same chains as plain values: what the keys a composition does not set hold (see _overlaid).
+_PLAIN_CHAINS: dict[tuple[str, ...], dict[str, Any]] = {}
 _MAX_CHAINS = 64
+
+
+def _bounded_put(cache: dict[tuple[str, ...], Any], key: tuple[str, ...], value: Any) -> Any:
+    if len(cache) >= _MAX_CHAINS:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _overlaid(files: DictConfig, texts: tuple[str, ...], *overlays: DictConfig) -> dict[str, Any]:
+    """`_plain(_merge(files, *overlays))`, the chain's plain values read once per chain: a merge copies
+    the whole chain (base.yml's 800 keys, 40 ms a merge), yet changes only the top-level keys the
+    overlays set, so only those are merged. An interpolation (`${...}`) in a file of the chain may name
+    any of its keys: then the whole chain is merged. (One in an overlay names a key of its own layer:
+    each layer is read alone first, by :func:`_plain`.)
+
+    >>> from omegaconf import OmegaConf
+    >>> chain = OmegaConf.create({"a": {"x": 1, "y": 2}, "b": [1], "c": 3})
+    >>> _overlaid(chain, ("key of this example",), OmegaConf.create({"a": {"y": 5}, "d": 4}))
+    {'a': {'x': 1, 'y': 5}, 'b': [1], 'c': 3, 'd': 4}
+    """
+    import copy
+
+    from omegaconf import OmegaConf
+
+    if any("${" in text for text in texts):
+        return _plain(_merge(files, *overlays))
+    plain = _PLAIN_CHAINS.get(texts)
+    if plain is None:
+        plain = _bounded_put(_PLAIN_CHAINS, texts, _plain(files))
+    keys = {key for overlay in overlays for key in overlay}
+    values = copy.deepcopy(plain)  # the cached chain is never handed out
+    values.update(_plain(_merge(OmegaConf.masked_copy(files, list(keys)), *overlays)))
+    return values
 
 
 def _chain(path: Path, configs_dir: Path | None, origins: dict[str, str], seen: tuple[Path, ...]
            ) -> tuple[DictConfig, tuple[str, ...]]:
-    """:func:`_load_chain`, and the texts of the chain's files, base first (the merge's cache key)."""
+    """A config file merged over the `base_config` it names, recursively (MaxText's _load_config), and the
+    texts of the chain's files, base first (the cache key of the merge and of its plain values)."""
     if path.resolve() in seen:
         raise BadInput(f"MaxText config {path}: base_config chain loops back to it "
                        f"({' -> '.join(_display(p) for p in (*seen, path.resolve()))})")
@@ -259,10 +291,7 @@ def _chain(path: Path, configs_dir: Path | None, origins: dict[str, str], seen: 
         texts = (*texts, text)
         merged = _CHAINS.get(texts)
         if merged is None:
-            merged = _merge(below, data)
-            if len(_CHAINS) >= _MAX_CHAINS:
-                _CHAINS.clear()
-            _CHAINS[texts] = merged
+            merged = _bounded_put(_CHAINS, texts, _merge(below, data))
     origins.update(dict.fromkeys(data, _display(path)))
     return merged, texts
 
@@ -347,10 +376,10 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
     config_path = Path(config_path)
     configs_dir = maxtext_configs_dir(environ)
     origins: dict[str, str] = {}
-    files = _load_chain(config_path, configs_dir, origins)
+    files, texts = _chain(config_path, configs_dir, origins, ())  # the file over its base_config chain
     cli_config = parse_command_line(command_line, source)
     cli = _plain(cli_config)
-    head = _plain(_merge(files, cli_config))  # the files under the command line, before the model config
+    head = _overlaid(files, texts, cli_config)  # the files under the command line, before the model config
     name = model_name_of(head)
     model_config = None
     model: dict[str, Any] = {}
@@ -369,14 +398,14 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
                                f"override_model_config=true")
         origins.update(dict.fromkeys(model, f"model config {_display(model_path)}"))
     origins.update({key: source for key in cli})
-    base_rules = _plain(files).get("logical_axis_rules") or []
+    base_rules = _overlaid(files, texts).get("logical_axis_rules") or []
     rules = _merge_rules(base_rules, model.get("logical_axis_rules") or [])
     if model.get("override_logical_axis_rules"):
         rules = model.get("logical_axis_rules") or []
     rules = (cli.get("logical_axis_rules") or [] if cli.get("override_logical_axis_rules") else
              _merge_rules(rules, cli.get("logical_axis_rules") or []))
-    layers = [files] + ([model_config] if model_config is not None else []) + [cli_config]
-    values = _plain(_merge(*layers))
+    overlays = ([model_config] if model_config is not None else []) + [cli_config]
+    values = _overlaid(files, texts, *overlays)
     if "logical_axis_rules" in values:
         values["logical_axis_rules"] = rules
     explicit = set(cli)

@@ -363,6 +363,31 @@ def test_rules_merge_by_logical_name_and_a_change_is_refused():
 
 
 
+def test_composed_values_are_omegaconfs_merge_of_every_layer(tmp_path):
+    """compose() merges into the base_config chain only the keys the model config and the command line
+    set; the values are still OmegaConf's merge of every layer, as MaxText's pyconfig takes it, a
+    mapping set in part keeping the rest of the chain's (mutation: merge the overlays over none of the
+    chain's keys, and `vllm_additional_config` loses `kept`)."""
+    from omegaconf import OmegaConf
+
+    run = run_file(tmp_path, f"""\
+        base_config: {RUN}
+        vllm_additional_config: {{kept: 1, replaced: 2}}
+        """)
+    command_line = ["vllm_additional_config.replaced=3", "vllm_additional_config.added=4", "ici_tensor_parallelism=2"]
+    composed = maxtext_config.compose(run, command_line)
+    layers = [BASE, RUN, run, CONFIGS / "models" / "llama2-7b.yml"]
+    merged = OmegaConf.merge(*(OmegaConf.create(path.read_text()) for path in layers), OmegaConf.from_cli(command_line))
+    expected = OmegaConf.to_container(merged, resolve=True)
+    assert composed.values["vllm_additional_config"] == {"kept": 1, "replaced": 3, "added": 4}
+    assert list(composed.values) == list(expected)  # the keys in MaxText's order
+    assert composed.values == {**expected, "logical_axis_rules": composed.values["logical_axis_rules"]}
+    # an interpolation may name any key of the chain: resolved over the whole merge
+    run = run_file(tmp_path, f"base_config: {RUN}\nvllm_additional_config: {{kept: '${{model_name}}-run'}}\n")
+    assert maxtext_config.compose(run, command_line).values["vllm_additional_config"] == \
+        {"kept": "llama2-7b-run", "replaced": 3, "added": 4}
+
+
 def test_settings_name_the_case_as_maxtexts_dumps_do():
     """Honoured settings that differ from the default name the case, and so does any given on the
     command line (MaxText's explicit keys), even at its default; base.yml's build keys choose its NNX build."""
