@@ -28,6 +28,7 @@ honoured setting that differs from its default, so its golden is that case's gol
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -247,19 +248,20 @@ def _overlaid(files: DictConfig, texts: tuple[str, ...], *overlays: DictConfig) 
     >>> _overlaid(chain, ("key of this example",), OmegaConf.create({"a": {"y": 5}, "d": 4}))
     {'a': {'x': 1, 'y': 5}, 'b': [1], 'c': 3, 'd': 4}
     """
-    import copy
-
     from omegaconf import OmegaConf
 
     if any("${" in text for text in texts):
         return _plain(_merge(files, *overlays))
-    plain = _PLAIN_CHAINS.get(texts)
-    if plain is None:
-        plain = _bounded_put(_PLAIN_CHAINS, texts, _plain(files))
     keys = {key for overlay in overlays for key in overlay}
-    values = copy.deepcopy(plain)  # the cached chain is never handed out
+    values = copy.deepcopy(_chain_values(files, texts))  # the cached chain is never handed out
     values.update(_plain(_merge(OmegaConf.masked_copy(files, list(keys)), *overlays)))
     return values
+
+
+def _chain_values(files: DictConfig, texts: tuple[str, ...]) -> dict[str, Any]:
+    """The chain's plain values, read once per chain (shared: never changed in place)."""
+    plain = _PLAIN_CHAINS.get(texts)
+    return _bounded_put(_PLAIN_CHAINS, texts, _plain(files)) if plain is None else plain
 
 
 def _chain(path: Path, configs_dir: Path | None, origins: dict[str, str], seen: tuple[Path, ...]
@@ -398,7 +400,7 @@ def compose(config_path: str | Path, command_line: Sequence[str] | Mapping[str, 
                                f"override_model_config=true")
         origins.update(dict.fromkeys(model, f"model config {_display(model_path)}"))
     origins.update({key: source for key in cli})
-    base_rules = _overlaid(files, texts).get("logical_axis_rules") or []
+    base_rules = copy.deepcopy(_chain_values(files, texts).get("logical_axis_rules") or [])
     rules = _merge_rules(base_rules, model.get("logical_axis_rules") or [])
     if model.get("override_logical_axis_rules"):
         rules = model.get("logical_axis_rules") or []
