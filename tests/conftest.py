@@ -6,8 +6,16 @@ aborts the process when it is imported a second time, and a re-imported flax wou
 `nn.Module` classes.
 """
 
-import gc
-import re
+import sys
+
+# Compiled modules are written, as on a developer's machine, even where the environment sets
+# PYTHONDONTWRITEBYTECODE (container images do): the two workers and the fresh processes that tests
+# start would otherwise each compile the package and rewrite the test modules again (50 CPU s of a
+# 300 CPU s run in a bare clone). Set before the imports below; `.ci/run` unsets the variable.
+sys.dont_write_bytecode = False
+
+import gc  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
 
