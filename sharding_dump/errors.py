@@ -26,6 +26,9 @@ class BadInput(Exception):
     """A user-facing input error: one line, no traceback, exit status 2."""
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"  # the XLA_FLAGS entry that sets a process's CPU devices
+
+
 class DeviceCountError(BadInput):
     """The program's own mesh spans every device of this process, whose count is not the case's: a
     process started with the case's count answers otherwise (the command and the plugin ask one)."""

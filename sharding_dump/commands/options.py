@@ -20,7 +20,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from sharding_dump.errors import BadInput, DeviceCountError, one_line, shown
+from sharding_dump.errors import DEVICE_COUNT_FLAG, BadInput, DeviceCountError, one_line, shown
 from sharding_dump.resources import MAX_DIGITS
 
 if TYPE_CHECKING:  # the commands import what they need when they run
@@ -195,8 +195,6 @@ def _layout_neutral(assignments: dict[str, str]) -> tuple[dict[str, str], list[s
 
     return maxtext_config.layout_neutral(assignments)
 
-
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def xla_flags(flags: str, cpu_devices: int | None) -> str:

@@ -55,7 +55,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding_dump.core import specs
-from sharding_dump.errors import BadInput, DeviceCountError
+from sharding_dump.errors import DEVICE_COUNT_FLAG, BadInput, DeviceCountError
 
 MeshShape = tuple[tuple[str, int], ...]  # ((axis name, size), ...) in the mesh's order
 _JIT = ("pjit", "jit")  # the jit primitive's name before and after jax 0.12
@@ -142,7 +142,7 @@ def _device_hint(closed: ClosedJaxpr, shape: MeshShape, want: MeshShape) -> str:
     if not concrete or size == wanted or size != jax.device_count():
         return ""
     return (f"; this process has {size} device{'s' * (size != 1)} and the program's mesh spans all of them: start it "
-            f"with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} (the sharding-dump command and the "
+            f"with XLA_FLAGS={DEVICE_COUNT_FLAG}={wanted} (the sharding-dump command and the "
             "pytest plugin give a program case its count, in a process of its own where theirs has another; "
             "Python code calling the harness itself needs it set before JAX starts)")
 
