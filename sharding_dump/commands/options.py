@@ -16,6 +16,7 @@ sharding_dump.errors.BadInput: argument --num-slices: 'two' is not a whole numbe
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
@@ -308,19 +309,55 @@ def where_served(count: int | None, fn: Callable[..., Any], *args: Any) -> Any:
     it (its backend runs with another, or pytest's, which the plugin never changes), here first (a
     program that asks for no devices is dumped as well here, where the user's edits of it hold), and
     again in a worker process started with the count, whose answer stands, when the count may be why
-    it failed here: its mesh spans this process's devices (DeviceCountError), or it failed after
-    starting the backend itself (it asked for the devices: Levanter's trainer builds its mesh of them)."""
+    it failed here: its mesh spans this process's devices (DeviceCountError), or its own code failed
+    after asking the backend for something (its devices: Levanter's trainer builds its mesh of them),
+    whether it started the backend or an earlier case or test had. A failure of the program's own code
+    that the worker repeats word for word is told as it happened here (where --traceback shows it).
+
+    >>> where_served(None, len, "four")  # a zoo case is served where it is asked
+    4
+    """
     if count is None or serves(count):
         return fn(*args)
-    started = _backend_started()
+    started, uses = _backend_started(), _backend_uses()
     try:
         return fn(*args)
     except DeviceCountError:
-        pass
-    except BadInput:
-        if started or not _backend_started():
+        failure = None
+    except BadInput as err:
+        if not _backend_started():
+            raise  # it never asked for devices: the failure is its own, whatever the count
+        if started and (_backend_uses() == uses or not _raised_by_the_program(err)):
+            raise  # it asked the running backend nothing, or the harness refused it (a time limit, a check)
+        failure = err
+    if failure is None:
+        return in_device_worker(count, fn, *args)
+    try:
+        return in_device_worker(count, fn, *args)
+    except BadInput as err:
+        if str(err) != str(failure):
             raise
-    return in_device_worker(count, fn, *args)
+    raise failure
+
+
+def _backend_uses() -> int:
+    """How many times this process has asked jax's backend for anything (its devices, a concrete array)
+    so far; abstract evaluation and tracing ask it nothing. A jax without the count gives a new number
+    each call: every failure then counts as having asked."""
+    from jax._src import xla_bridge  # jax has no public count: its backend cache's, read, never changed
+
+    info = getattr(xla_bridge.get_backend, "cache_info", None)
+    return info().hits if callable(info) else next(_UNCOUNTED)
+
+
+_UNCOUNTED = itertools.count(-1, -1)
+
+
+def _raised_by_the_program(err: BadInput) -> bool:
+    """Whether the user's own code raised `err`'s cause (not its time limit, nor a check of the harness)."""
+    from sharding_dump.core.boundary import TimeLimitExceeded, UserCodeError
+
+    return isinstance(err, UserCodeError) and not isinstance(err.__cause__, TimeLimitExceeded)
 
 
 def forget_worker(count: int) -> None:

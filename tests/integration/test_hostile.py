@@ -637,19 +637,26 @@ def pytest_sessionfinish(session):
 
 
 # As Levanter's trainer fails building its mesh over too few devices, before anything is traced.
-TOO_FEW = ALL_DEVICES.replace("def program():\n", "def program():\n    if len(jax.devices()) % 4:\n        raise "
-                              "ValueError(f'ICI product 4 does not divide devices_per_slice {len(jax.devices())}')\n")
+TOO_FEW = ALL_DEVICES.replace("def program():\n", "def too_few():\n    if len(jax.devices()) % 4:\n        raise "
+                              "ValueError(f'ICI product 4 does not divide devices_per_slice {len(jax.devices())}')\n"
+                              "    return program()\n\n\ndef program():\n")
 
 
-@pytest.mark.parametrize("source", [ALL_DEVICES, TOO_FEW], ids=["mesh-over-the-devices", "fails-with-too-few"])
-def test_the_plugin_gives_a_program_its_cases_count_in_a_worker(tmp_path, source):
-    """Plain pytest, no XLA_FLAGS: the plugin checks a program case of 4 devices in a worker process
-    started with 4 CPU devices when it fails here for want of them (its mesh spans this process's one
-    device, or it fails after asking for the devices), and the user's process keeps its environment
-    and its one device (mutations: options.where_served always answers here, and the update fails:
-    `this process has 1 device and the program's mesh spans all of them`; it asks the worker on a
-    DeviceCountError only, and the second fails: `ICI product 4 does not divide devices_per_slice 1`)."""
-    all_devices_project(tmp_path, 4, source)
+def test_the_plugin_gives_program_cases_their_count_in_a_worker_in_any_order(tmp_path):
+    """Plain pytest, no XLA_FLAGS: the plugin checks two program cases of 4 devices in a worker process
+    started with 4 CPU devices when they fail here for want of them: the first's mesh spans this
+    process's one device, and the second fails after asking for the devices, which the first had
+    started. The user's process keeps its environment and its one device (mutations: options.where_served
+    always answers here, and the update fails: `this process has 1 device and the program's mesh spans
+    all of them`; it asks the worker on a DeviceCountError only, or only when the failing case started
+    the backend itself, and the second fails: `ICI product 4 does not divide devices_per_slice 1`)."""
+    all_devices_project(tmp_path, 4, TOO_FEW)
+    (tmp_path / "cases.yml").write_text("cases:\n" + "".join(
+        f"  - {{model: {name}, topology: cpu-4, rule: mesh, overrides: {{ici_fsdp_parallelism: 4}}}}\n"
+        for name in ("prog", "few")))
+    (tmp_path / "pyproject.toml").write_text('[tool.sharding-dump]\ngolden-dir = "out"\ncases = ["cases.yml"]\n'
+                                             'rule-dirs = ["."]\nmodels = {prog = "all_devices:program", '
+                                             'few = "all_devices:too_few"}\n')
     (tmp_path / "conftest.py").write_text(USER_PROCESS)
     env = {name: value for name, value in os.environ.items() if name not in ("XLA_FLAGS", "PYTEST_ADDOPTS")}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]), JAX_PLATFORMS="cpu")
@@ -658,8 +665,8 @@ def test_the_plugin_gives_a_program_its_cases_count_in_a_worker(tmp_path, source
                                  *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
         assert json.loads((tmp_path / "process.json").read_text()) == {"XLA_FLAGS": None, "devices": 1}
-    (path,) = (tmp_path / "out").rglob("named_shardings.json")
-    assert json.loads(path.read_text())["mesh"]["axis_sizes"] == [4]
+    sizes = [json.loads(path.read_text())["mesh"]["axis_sizes"] for path in (tmp_path / "out").rglob("named_shardings.json")]
+    assert sizes == [[4], [4]]
 
 
 @pytest.mark.parametrize("stdout,buffered", [("/dev/full", True), ("/dev/full", False), ("closed", True)],
