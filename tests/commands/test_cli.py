@@ -106,15 +106,22 @@ cases:
 """
 
 
-def test_all_reproduces_the_goldens_for_another_hash_seed(tmp_path):
+def test_all_in_worker_processes_reproduces_the_goldens_for_another_hash_seed_in_the_cases_order(tmp_path):
+    """`--all -j 2` under another hash seed: four cases of two models in two spawned workers (one per
+    model, the llama2 case between qwen3's) write the bytes the committed goldens hold, and the
+    progress lines keep the case file's order."""
     case_file = tmp_path / "cases.yml"
     case_file.write_text(DETERMINISM_CASES)
     cases = load_matrix(case_file)
     assert {c.label for c in cases} <= {c.label for c in load_matrix()}, "every case here is in the matrix"
     out = tmp_path / "out"
-    result = run_cli("--all", "--cases", str(case_file), "--golden-dir", str(out), env={"PYTHONHASHSEED": "12345"})
+    result = run_cli("--all", "--cases", str(case_file), "--golden-dir", str(out), "-j", "2",
+                     env={"PYTHONHASHSEED": "12345"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "sharding-dump goldens: 0 updated, 4 created, 0 unchanged, 0 deleted"
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "sharding-dump goldens: 0 updated, 4 created, 0 unchanged, 0 deleted"
+    assert [line.split("] ", 1)[1].split("/: ", 1)[0].split("/out/", 1)[1] for line in lines[:4]] == [
+        case.label for case in cases], lines
     golden = tree_bytes(REPO / "golden")
     made = tree_bytes(out)
     assert len(made) == 12 and made == {path: golden[path] for path in made}
@@ -185,22 +192,3 @@ def test_help_lists_every_command_on_one_line(capsys):
     assert all(len(line.split()) > 3 for line in listed)
     assert main(["dump", "--model", "qwen3-0.6b", "--topology", "cpu-8", "--rule", "nope"]) == 2
     assert "unknown rule 'nope'" in capsys.readouterr().err
-
-
-def test_all_in_worker_processes_writes_the_committed_bytes_in_the_cases_order(tmp_path):
-    """`--all -j 2`: three cases of two models in two spawned workers (one per model) write the bytes
-    the committed goldens hold, and the progress lines keep the case file's order."""
-    cases = tmp_path / "cases.yml"
-    cases.write_text("cases:\n"
-                     "  - {model: qwen3-0.6b, topology: tpu7x-16, rule: default}\n"
-                     "  - {model: llama2-7b, topology: v5p-16, rule: pure-fsdp}\n"
-                     "  - {model: llama2-7b, topology: v5p-16, rule: default}\n")
-    out = run_cli("--all", "--cases", str(cases), "--output-dir", str(tmp_path / "out"), "-j", "2")
-    assert out.returncode == 0, out.stderr
-    folders = ["qwen3-0.6b/tpu7x-16/slice_1/rule_default", "llama2-7b/v5p-16/slice_1/rule_pure-fsdp",
-               "llama2-7b/v5p-16/slice_1/rule_default"]
-    lines = out.stdout.splitlines()
-    assert [line.split("] ", 1)[1].split("/: ", 1)[0].split("/out/", 1)[1] for line in lines[:3]] == folders, lines
-    written = tree_bytes(tmp_path / "out")
-    assert written and written == {path: data for path, data in tree_bytes(REPO / "golden").items()
-                                   if path.rsplit("/", 1)[0] in folders}
