@@ -197,7 +197,6 @@ def _layout_neutral(assignments: dict[str, str]) -> tuple[dict[str, str], list[s
     return maxtext_config.layout_neutral(assignments)
 
 
-
 def xla_flags(flags: str, cpu_devices: int | None) -> str:
     """`flags` (an XLA_FLAGS value) with its CPU device count replaced by `cpu_devices` (none: left out);
     every other flag kept as given."""

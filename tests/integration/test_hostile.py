@@ -665,7 +665,8 @@ def test_the_plugin_gives_program_cases_their_count_in_a_worker_in_any_order(tmp
                                  *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
         assert json.loads((tmp_path / "process.json").read_text()) == {"XLA_FLAGS": None, "devices": 1}
-    sizes = [json.loads(path.read_text())["mesh"]["axis_sizes"] for path in (tmp_path / "out").rglob("named_shardings.json")]
+    sizes = [json.loads(path.read_text())["mesh"]["axis_sizes"]
+             for path in (tmp_path / "out").rglob("named_shardings.json")]
     assert sizes == [[4], [4]]
 
 
