@@ -25,8 +25,8 @@ llama2-7b v5p-16 pure-fsdp against `import jax, flax.linen, optax` (runs alterna
 with the default parallelism against the sum of its unique traces (each distinct training step traced
 once, in this process, divided by the cores); `diff golden golden` against starting Python; the default
 suite with -n 2 in a bare copy of the checkout (the files git tracks, as the working tree holds them: no
-compiled modules, as in a fresh clone). Wall and CPU seconds (user + system, children included): on a shared machine the CPU
-figure is what a quiet one's wall time would be.
+compiled modules, as in a fresh clone). Wall and CPU seconds (user + system, children included): on a
+shared machine the CPU figure is what a quiet one's wall time would be.
 --maxtext SCRIPT: the cases of tests/data/maxtext/program/cases.yml (ten; --cases N the first N) through
 the installed MaxText's own code, as the pair: MaxText's own dump SCRIPT (its tests/utils/sharding_dump.py,
 one process per case, writing under a temporary MAXTEXT_REPO_ROOT) and `python -m sharding_dump.maxtext

@@ -329,12 +329,10 @@ def where_served(count: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         if started and (_backend_uses() == uses or not _raised_by_the_program(err)):
             raise  # it asked the running backend nothing, or the harness refused it (a time limit, a check)
         failure = err
-    if failure is None:
-        return in_device_worker(count, fn, *args)
     try:
         return in_device_worker(count, fn, *args)
     except BadInput as err:
-        if str(err) != str(failure):
+        if failure is None or str(err) != str(failure):
             raise
     raise failure
 
