@@ -128,9 +128,12 @@ def dumped_in_order(cases: list[Case], golden_dir: Path, jobs: int) -> Iterator[
                         warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
                     yield dumped
                     next_index += 1
-        except BaseException:
+        except BaseException as stopped:
+            # An error (a dead worker, a case's own failure) waits for the pools' threads, which end the
+            # workers: one still closing its pipe when the interpreter exits races the exit's wakeup
+            # and prints a traceback below the one-line error. Ctrl-C does not wait.
             for pool in pools:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown(wait=isinstance(stopped, Exception), cancel_futures=True)
             raise
 
 
