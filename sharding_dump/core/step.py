@@ -128,8 +128,8 @@ def next_token_step(apply: ApplyFn, optimizer: optax.GradientTransformation,
 def staged(fn: Callable[[Any], jax.Array], example: Any) -> Callable[[Any], jax.Array]:
     """`fn`, traced once on `example` to a jaxpr and run from it. JAX then differentiates the jaxpr, equation
     by equation, each keeping its own source line and name stack (an inlined jit would give them all the
-    line of its call), rather than the model's Python run under AD's tracers: the same equations, traced in
-    about 20% less time over the case matrix.
+    line of its call), rather than the model's Python run under AD's tracers: the same equations, the case
+    matrix's 49 distinct steps traced in 16% less time (`--all` as a whole: 5% less).
 
     >>> f = staged(lambda x: (x * x).sum(), jnp.ones(3))
     >>> float(jax.grad(f)(jnp.arange(3.0))[2])
