@@ -26,8 +26,8 @@ with the default parallelism against the sum of its unique traces (each distinct
 once, in this process, divided by the cores); `diff golden golden` against starting Python; the default
 suite with -n 2 in a bare copy of the checkout (the files git tracks, as the working tree holds them: no
 compiled modules, as in a fresh clone) against its golden tests alone (`pytest -n 2 pyproject.toml`, run
-after it in the same copy): what any suite that recomputes every golden costs. Wall and CPU seconds (user + system, children included): on a
-shared machine the CPU figure is what a quiet one's wall time would be.
+after it in the same copy): what any suite that recomputes every golden costs. Wall and CPU seconds (user
++ system, children included): on a shared machine the CPU figure is what a quiet one's wall time would be.
 --maxtext SCRIPT: the cases of tests/data/maxtext/program/cases.yml (ten; --cases N the first N) through
 the installed MaxText's own code, as the pair: MaxText's own dump SCRIPT (its tests/utils/sharding_dump.py,
 one process per case, writing under a temporary MAXTEXT_REPO_ROOT) and `python -m sharding_dump.maxtext
@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -80,16 +81,29 @@ def run_child(args: list[str], ok_exits: tuple[int, ...] = (0,)) -> tuple[float,
 def timed(command: list[str], ok_exits: tuple[int, ...] = (0,)) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds of the process and its children, peak RSS MiB when it is a CLI child
     reporting it, else 0) of one process; an exit status outside `ok_exits` stops the run."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc, wall, cpu = measured(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if proc.returncode not in ok_exits:
         raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(command[3:] or command)}: {proc.stderr}")
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     peak = [line for line in proc.stderr.splitlines() if line.startswith("bench-peak-kib ")]
     return wall, cpu, int(peak[-1].split()[1]) / 1024 if peak else 0.0
+
+
+def measured(command: list[str], cwd: Path | None = REPO,
+             **run: Any) -> tuple[subprocess.CompletedProcess, float, float]:
+    """(the finished process, its wall seconds, the CPU seconds of it and its children) of `command` run
+    in `cwd` (None: this process's; `run`: subprocess.run's other arguments; output as text)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=cwd, text=True, **run)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return proc, wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
+def last_line(output: str) -> str:
+    """pytest's summary: the last line of its output, without its rule of `=`."""
+    lines = output.strip().splitlines()
+    return lines[-1].strip("= ") if lines else ""
 
 
 def cli(*args: str) -> list[str]:
@@ -176,14 +190,9 @@ def bench_table(cases: list, suite: bool, repeat: int) -> None:
 
 def pytest_run(folder: Path, *paths: str) -> tuple[tuple[float, float], str]:
     """((wall, CPU seconds), pytest's last line) of `pytest -n 2` in `folder`, over `paths` if given."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider", *paths],
-                          cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return (wall, cpu), proc.stdout.strip().splitlines()[-1].strip("= ") if proc.stdout.strip() else ""
+    proc, wall, cpu = measured([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider", *paths],
+                               cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return (wall, cpu), last_line(proc.stdout)
 
 
 def bare_copy(dest: Path) -> Path:
@@ -210,10 +219,8 @@ def bench_verify(cases) -> None:
     figures = re.compile(r": (ok|FAILED) \(\w+, \d+ devices, ([0-9.]+) s CPU, ([0-9.]+) (\w+) peak RSS\)$")
     print(f"{'case (sharding-dump verify)':<92} {'wall s':>7} {'CPU s':>7} {'peak MiB':>9} {'result':>7}")
     for case in cases:
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "sharding_dump.commands.cli", "verify", *case_args(case)],
-                              cwd=REPO, capture_output=True, text=True)
-        wall = time.perf_counter() - start
+        proc, wall, _ = measured([sys.executable, "-m", "sharding_dump.commands.cli", "verify", *case_args(case)],
+                                 capture_output=True)
         match = figures.search(proc.stdout.splitlines()[0]) if proc.stdout else None
         if proc.returncode not in (0, 1) or not match:
             raise SystemExit(f"failed (exit {proc.returncode}): verify {case.label}: {proc.stdout[:500]}{proc.stderr}")
@@ -235,15 +242,13 @@ def bench_suite(workers: int) -> None:
         command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider", *marks]
         if not marks:
             command.append("--durations=15")
-        start = time.perf_counter()
-        proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wall = time.perf_counter() - start
+        proc, wall, _ = measured(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         lines = proc.stdout.splitlines()
         durations = [i for i, line in enumerate(lines) if "slowest" in line and "durations" in line]
         if durations:
             print("\n".join(line for line in lines[durations[0]:-1] if line.strip() and not line.startswith("=" * 5)))
         print(f"{name + ': python ' + ' '.join(command[1:]):<92} {wall:>7.2f} s wall, exit {proc.returncode}: "
-              f"{lines[-1].strip('= ') if lines else ''}", flush=True)
+              f"{last_line(proc.stdout)}", flush=True)
     bench_docs()
 
 
@@ -258,17 +263,11 @@ def bench_suite_cpu(workers: int, top: int = 25) -> None:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tools"), os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "pytest", "-n", str(workers), "-q", "-p", "no:cacheprovider",
                    "-p", "cpu_per_test"]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        start = time.perf_counter()
-        proc = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        wall = time.perf_counter() - start
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc, wall, cpu = measured(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         rows = {path.stem: [line.rstrip("\n").split("\t") for line in path.open(encoding="utf-8")]
                 for path in sorted(Path(folder).glob("*.tsv"))}
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    last = proc.stdout.strip().splitlines()[-1].strip("= ") if proc.stdout.strip() else ""
     print(f"default suite, python -m pytest -n {workers}: {wall:.1f} s wall, {cpu:.1f} s CPU, load average "
-          f"{os.getloadavg()[0]:.1f} ({last})")
+          f"{os.getloadavg()[0]:.1f} ({last_line(proc.stdout)})")
     for line in proc.stdout.splitlines():  # a failing test is said, not lost in the figures
         if line.startswith(("FAILED ", "ERROR ")):
             print(line)
@@ -300,10 +299,7 @@ def bench_docs() -> None:
         return
     with tempfile.TemporaryDirectory() as site:
         command = [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", site]
-        start = time.perf_counter()
-        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
-        wall = time.perf_counter() - start
+        proc, wall, _ = measured(command, capture_output=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     print(f"{'docs site: mkdocs build --strict':<92} {wall:>7.2f} s wall, exit {proc.returncode}", flush=True)
 
 
@@ -322,19 +318,16 @@ def bench_maxtext(script: str, count: int) -> None:
         own = []
         for case in cases:
             root = Path(tmp) / f"own{len(own)}"
-            start = time.perf_counter()
-            proc = subprocess.run([sys.executable, script, *case.argv(base)[1:]], capture_output=True, text=True,
-                                  env={**os.environ, "MAXTEXT_REPO_ROOT": str(root)})
-            own.append(time.perf_counter() - start)
+            proc, wall, _ = measured([sys.executable, script, *case.argv(base)[1:]], cwd=None, capture_output=True,
+                                     env={**os.environ, "MAXTEXT_REPO_ROOT": str(root)})
+            own.append(wall)
             wrote = len(list(root.rglob("named_shardings.json")))
             print(f"{'MaxText own dump ' + case.label:<110} {own[-1]:>7.2f} s, exit {proc.returncode}, "
                   f"{'wrote its files' if wrote else 'wrote nothing'}", flush=True)
         listed = Path(tmp) / "cases.yml"
         listed.write_text(yaml.safe_dump({"cases": [{"args": [f"{k}={v}" for k, v in c.words]} for c in cases]}))
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "sharding_dump.maxtext", "--cases", str(listed),
-                               "--golden-dir", str(Path(tmp) / "ours")], cwd=REPO, capture_output=True, text=True)
-        ours = time.perf_counter() - start
+        proc, ours, _ = measured([sys.executable, "-m", "sharding_dump.maxtext", "--cases", str(listed),
+                                  "--golden-dir", str(Path(tmp) / "ours")], capture_output=True)
         for line in proc.stderr.splitlines():
             if line.startswith("sharding-dump:"):
                 print(f"  {line}")
@@ -382,10 +375,8 @@ def main() -> None:
         bench_verify(cases)
         return
     print(f"{'case':<92} {'cold s':>7} {'cold MiB':>9} {'warm s':>7} {'warm +MiB':>9}")
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import jax, flax.linen, optax"], cwd=REPO, check=True)
-    print(f"{'(import jax, flax.linen, optax alone: the floor under every cold figure)':<92} "
-          f"{time.perf_counter() - start:>7.2f}")
+    floor = timed([sys.executable, "-c", "import jax, flax.linen, optax"])[0]
+    print(f"{'(import jax, flax.linen, optax alone: the floor under every cold figure)':<92} {floor:>7.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             cold, cold_mib = run_child(case_args(case) + ["--golden-dir", tmp])
